@@ -1,0 +1,255 @@
+"""The ``mtp`` command line. The only module that prints: text to stdout, the rest to stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import MtpError, UsageError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Multi-token-prediction speculative decoding for Qwen3.5-family models on MLX.",
+)
+err = Console(stderr=True, highlight=False)
+state = {"debug": False}
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors.")) -> None:
+    state["debug"] = debug
+
+
+def _read_prompt(prompt: Optional[str]) -> str:
+    if prompt is None or prompt == "-":
+        if sys.stdin.isatty():
+            err.print("[dim]reading the prompt from stdin (end with Ctrl-D)[/dim]")
+        return sys.stdin.read()
+    return prompt
+
+
+def _encode(tokenizer, prompt: str, system: Optional[str], ignore_template: bool) -> list[int]:
+    if ignore_template or not getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode(prompt)
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _print_stats(stats, draft_kind: str) -> None:
+    err.print("==========")
+    err.print(f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec")
+    err.print(f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec")
+    err.print(f"Peak memory: {stats.peak_memory_gb:.3f} GB")
+    err.print(f"Draft kind: {draft_kind}")
+    r = stats.mtp
+    if r is not None:
+        per = " ".join(f"{a:.2f}" for a in r.acceptance_by_position)
+        ms = 1000 / max(r.rounds, 1)
+        err.print(
+            f"MTP: block {r.block_size}, {r.rounds} rounds, {r.drafted} drafted, {r.accepted} "
+            f"accepted, acceptance {r.acceptance_rate:.3f} (by position: {per}), "
+            f"{r.tokens_per_verify:.2f} tokens/verify"
+        )
+        err.print(
+            f"MTP time per round: draft {r.draft_s * ms:.2f} ms, verify {r.verify_s * ms:.2f} ms, "
+            f"rollback {r.rollback_s * ms:.2f} ms"
+        )
+
+
+def _stats_json(stats) -> dict:
+    r = stats.mtp
+    out = {
+        "prompt_tokens": stats.prompt_tokens,
+        "prompt_tps": stats.prompt_tps,
+        "generation_tokens": stats.generation_tokens,
+        "generation_tps": stats.generation_tps,
+        "peak_memory_gb": stats.peak_memory_gb,
+        "acceptance_rate": r.acceptance_rate if r else 0.0,
+        "rounds": r.rounds if r else 0,
+    }
+    if r:
+        out |= {
+            "drafted": r.drafted,
+            "accepted": r.accepted,
+            "acceptance_by_position": r.acceptance_by_position,
+            "accept_histogram": r.accept_histogram,
+            "tokens_per_verify": r.tokens_per_verify,
+            "draft_ms": r.draft_s * 1000,
+            "verify_ms": r.verify_s * 1000,
+            "rollback_ms": r.rollback_s * 1000,
+        }
+    return out
+
+
+@app.command()
+def generate(
+    model: Optional[str] = typer.Option(
+        None, "-m", "--model", help="Target: directory or Hugging Face repo id (default: built-in example)."
+    ),
+    draft_model: Optional[str] = typer.Option(
+        None, "--draft-model", help="A standalone qwen3_5_mtp drafter: directory or repo id."
+    ),
+    draft_kind: str = typer.Option("auto", "--draft-kind", help="auto | mtp | none."),
+    draft_block_size: Optional[int] = typer.Option(
+        None, "--draft-block-size", help="Tokens per round, pending token included (default: the drafter's block_size)."
+    ),
+    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text; '-' or absent reads stdin."),
+    max_tokens: int = typer.Option(256, "-n", "--max-tokens", min=1, help="Most tokens to generate."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    min_p: float = typer.Option(0.0, "--min-p"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling."),
+    system_prompt: Optional[str] = typer.Option(None, "--system-prompt"),
+    ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
+    verbose: bool = typer.Option(False, "--verbose", help="Say what was loaded and decided."),
+) -> None:
+    """Generate text, with MTP speculative decoding when a drafter is given."""
+    import mlx.core as mx
+
+    from .engine import GenerationStats
+    from .engine.classic import generate_classic
+    from .engine.mtp import generate_mtp
+    from .engine.sampling import SamplingParams
+    from .example import NOTE, ensure_example
+    from .loading import load_pair
+
+    sampling = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    if draft_block_size is not None and not 2 <= draft_block_size <= 16:
+        raise UsageError(f"--draft-block-size must be in [2, 16], got {draft_block_size}")
+    if model is None:
+        target_dir, example_drafter = ensure_example()
+        model, draft_model = str(target_dir), draft_model or str(example_drafter)
+        err.print(f"[yellow]{NOTE}[/yellow]")
+    loaded = load_pair(model, draft_model, draft_kind)
+    text = _read_prompt(prompt)
+    ids = _encode(loaded.tokenizer, text, system_prompt, ignore_chat_template)
+    eos = set(loaded.tokenizer.eos_token_ids) | set(loaded.target.config.eos_token_ids)
+    if seed is not None:
+        mx.random.seed(seed)
+    stats = GenerationStats()
+    block = None
+    if loaded.draft_kind == "mtp":
+        block = draft_block_size or loaded.drafter.block_size
+        tokens = generate_mtp(
+            loaded.target, loaded.drafter, ids, block_size=block, max_tokens=max_tokens,
+            sampling=sampling, eos_ids=eos, stats=stats,
+        )  # fmt: skip
+    else:
+        tokens = generate_classic(
+            loaded.target, ids, max_tokens=max_tokens, sampling=sampling, eos_ids=eos, stats=stats
+        )
+    if verbose:
+        err.print(f"target {loaded.target_dir}; drafter {loaded.drafter_dir}; kind {loaded.draft_kind}")
+    detok = loaded.tokenizer.detokenizer
+    detok.reset()
+    out_ids = []
+    for t in tokens:
+        out_ids.append(t)
+        detok.add_token(t)
+        if not as_json:
+            sys.stdout.write(detok.last_segment)  # reading it advances the detokenizer
+            sys.stdout.flush()
+    detok.finalize()
+    if as_json:
+        doc = {
+            "text": detok.text,
+            "tokens": out_ids,
+            "draft_kind": loaded.draft_kind,
+            "block_size": block,
+            "stats": _stats_json(stats),
+        }
+        sys.stdout.write(json.dumps(doc) + "\n")
+    else:
+        sys.stdout.write(detok.last_segment + "\n")
+        _print_stats(stats, loaded.draft_kind)
+
+
+@app.command("inspect-weights")
+def inspect_weights(
+    path: str = typer.Argument(..., help="Checkpoint directory or Hugging Face repo id."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Describe a checkpoint from its headers: layout, tensors, MTP head, drafter use."""
+    from .inventory import describe
+    from .loading import resolve_path
+
+    info = describe(resolve_path(path, "checkpoint"))
+    if as_json:
+        sys.stdout.write(json.dumps(info) + "\n")
+        return
+    table = Table(title=f"mtp inspect-weights {path}", show_header=False)
+    for key in ("model_type", "layout", "dtypes", "quantization", "tensor_count", "total_bytes",
+                "mtp_tensor_count", "block_size", "config_mtp_layers"):  # fmt: skip
+        table.add_row(key, str(info[key]))
+    table.add_row("mtp tensors", "\n".join(info["mtp_tensors"]) or "-")
+    table.add_row("+1.0 norm shift", "\n".join(info["norm_shift"]) or "-")
+    ok = "[green]yes[/green]" if info["drafter_ok"] else "[red]no[/red]"
+    table.add_row("usable as --draft-model", f"{ok}: {info['reason']}")
+    if info["mtp_claim_unbacked"]:
+        table.add_row(
+            "note",
+            f"config says mtp_num_hidden_layers={info['config_mtp_layers']}, but the weights "
+            "hold no MTP tensors",
+        )
+    Console().print(table)
+
+
+@app.command("extract-drafter")
+def extract_drafter_cmd(
+    src: Path = typer.Argument(..., help="A raw Hugging Face checkpoint with mtp.* tensors."),
+    out: Path = typer.Argument(..., help="Directory to write the standalone drafter to."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Default block size to record."),
+) -> None:
+    """Split the MTP head of a raw checkpoint into a standalone qwen3_5_mtp drafter."""
+    from .extract import extract_drafter
+    from .loading import resolve_path
+
+    if block_size is not None and not 2 <= block_size <= 16:
+        raise UsageError(f"--block-size must be in [2, 16], got {block_size}")
+    written = extract_drafter(resolve_path(str(src), "checkpoint"), out, block_size)
+    err.print(f"wrote drafter to {written}")
+
+
+@app.command()
+def bench() -> None:
+    """Side-by-side speed figures (not implemented yet: arrives with the bench issue)."""
+    raise UsageError("`mtp bench` is not implemented yet; it arrives in a later release")
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except MtpError as e:
+        if state["debug"]:
+            raise
+        err.print(f"[bold red]error:[/bold red] {e}", soft_wrap=True)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except Exception as e:  # click's usage errors
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Exit):
+            sys.exit(e.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

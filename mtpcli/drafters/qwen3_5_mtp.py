@@ -1,0 +1,69 @@
+"""The standalone ``qwen3_5_mtp`` drafter head (one full-attention layer on the target's shape).
+
+``h = fc([pre_fc_norm_embedding(embed(token)), pre_fc_norm_hidden(hidden)])``, the layer, then
+``norm``. It owns no embedding and no LM head: it borrows the target's. Its output is both the
+draft's hidden (through the borrowed head) and the ``hidden`` of the next chained draft.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3_5
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+from ..config import ModelConfig
+from ..weights import load_arrays, load_module_weights, sanitize_drafter
+
+
+class Qwen35MTP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        text = config.text
+        n_layers = max(text.mtp_num_hidden_layers, 1)
+        # MTP layers are always full attention: full_attention_interval = 1.
+        args = qwen3_5.TextModelArgs.from_dict(
+            text.to_mlx_lm(num_hidden_layers=n_layers, full_attention_interval=1)
+        )
+        h, eps = text.hidden_size, text.rms_norm_eps
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(h, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(h, eps=eps)
+        self.layers = [qwen3_5.DecoderLayer(args, layer_idx=i) for i in range(n_layers)]
+        self.norm = nn.RMSNorm(h, eps=eps)
+
+
+class Qwen35MTPDrafter:
+    """A loaded drafter bound to a target's embedding."""
+
+    def __init__(self, module: Qwen35MTP, config: ModelConfig, embed_tokens: nn.Module):
+        self.module = module
+        self.config = config
+        self.block_size = config.block_size or 3
+        self.embed_tokens = embed_tokens
+
+    def make_cache(self) -> list:
+        return [KVCache() for _ in self.module.layers]
+
+    def forward(self, tokens: mx.array, hidden: mx.array, cache: list) -> mx.array:
+        m = self.module
+        e = m.pre_fc_norm_embedding(self.embed_tokens(tokens))  # [B, L, H]
+        h = m.fc(mx.concatenate([e, m.pre_fc_norm_hidden(hidden)], axis=-1))  # [B, L, H]
+        mask = create_attention_mask(h, cache[0])
+        for layer, c in zip(m.layers, cache):
+            h = layer(h, mask=mask, cache=c)
+        return m.norm(h)
+
+    def trim(self, cache: list, n: int) -> None:
+        for c in cache:
+            c.trim(n)
+
+
+def load_drafter(model_dir: Path, config: ModelConfig, embed_tokens: nn.Module) -> Qwen35MTPDrafter:
+    module = Qwen35MTP(config)
+    weights = sanitize_drafter(load_arrays(model_dir))
+    load_module_weights(module, weights, config.quantization, str(model_dir))
+    return Qwen35MTPDrafter(module, config, embed_tokens)

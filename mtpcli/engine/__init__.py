@@ -1,0 +1,83 @@
+"""Decoding engines: classic (one token per forward) and MTP speculative decoding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..errors import BatchNotSupportedError, UsageError
+
+
+@dataclass
+class MTPStats:
+    """Round statistics of one MTP generation."""
+
+    block_size: int
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0  # tokens emitted by rounds (accepted drafts + one target token each)
+    accepted_at: list[int] = field(default_factory=list)  # per draft position
+    accept_histogram: list[int] = field(default_factory=list)  # rounds by accepted count 0..k
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rollback_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        k = self.block_size - 1
+        self.accepted_at = self.accepted_at or [0] * k
+        self.accept_histogram = self.accept_histogram or [0] * (k + 1)
+
+    def record(self, n_drafted: int, n_accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        self.emitted += n_accepted + 1
+        self.accept_histogram[n_accepted] += 1
+        for i in range(n_accepted):
+            self.accepted_at[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / self.rounds if self.rounds else 0.0 for a in self.accepted_at]
+
+    @property
+    def tokens_per_verify(self) -> float:
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prompt_s: float = 0.0
+    generation_tokens: int = 0
+    generation_s: float = 0.0
+    peak_memory_gb: float = 0.0
+    mtp: MTPStats | None = None
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        return self.generation_tokens / self.generation_s if self.generation_s else 0.0
+
+
+def prompt_array(prompt) -> mx.array:
+    """A prompt as ids [1, L]; batches are refused (the engines run one sequence)."""
+    arr = prompt if isinstance(prompt, mx.array) else mx.array(list(prompt), dtype=mx.int32)
+    if arr.ndim == 1:
+        arr = arr[None]
+    if arr.ndim != 2 or arr.shape[0] != 1:
+        raise BatchNotSupportedError(
+            f"the engine decodes one sequence at a time; got a prompt of shape {tuple(arr.shape)}"
+        )
+    if arr.shape[1] == 0:
+        raise UsageError("the prompt is empty: give at least one token")
+    return arr.astype(mx.int32)

@@ -1,0 +1,45 @@
+"""Classic decoding: one target forward per token. The reference MTP must reproduce."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+
+import mlx.core as mx
+
+from . import GenerationStats, prompt_array
+from .sampling import SamplingParams, pick
+
+
+def generate_classic(
+    target,
+    prompt,
+    *,
+    max_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    eos_ids: Iterable[int] = (),
+    stats: GenerationStats | None = None,
+) -> Iterator[int]:
+    """Yield generated token ids (EOS excluded) until EOS or ``max_tokens``."""
+    stats = stats if stats is not None else GenerationStats()
+    eos = set(eos_ids)
+    tokens = prompt_array(prompt)
+    cache = target.make_cache()
+    start = time.perf_counter()
+    hidden = target.prefill(tokens, cache)
+    token = int(pick(target.lm_head(hidden[:, -1:])[0, -1], sampling).item())
+    stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
+    start = time.perf_counter()
+    n = 0
+    try:
+        while token not in eos and n < max_tokens:
+            yield token
+            n += 1
+            stats.generation_tokens, stats.generation_s = n, time.perf_counter() - start
+            if n == max_tokens:
+                return
+            out = target.forward(mx.array([[token]]), cache)
+            token = int(pick(target.lm_head(out.hidden)[0, -1], sampling).item())
+    finally:
+        stats.generation_s = time.perf_counter() - start
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9

@@ -1,0 +1,103 @@
+"""MTP speculative decoding with a qwen3_5_mtp drafter (batch 1).
+
+One round: the drafter proposes k = block_size - 1 tokens; the target verifies the pending
+token and the drafts in one forward; the longest agreeing prefix is accepted; both caches roll
+back to it; the accepted drafts plus one target token are emitted. At temperature 0 the output
+is identical to classic decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+
+import mlx.core as mx
+
+from ..errors import UsageError
+from ..models.qwen3_5 import cache_arrays, rollback
+from . import GenerationStats, MTPStats, prompt_array
+from .sampling import SamplingParams, accept_greedy, accept_sampled, pick, probs
+
+
+def draft(drafter, target, tokens: list[int], hidden: mx.array, cache: list, k: int, s):
+    """Catch the drafter up on ``tokens`` (with the target hidden before each), then chain k drafts.
+
+    Returns the drafts and, when sampling, the drafter distributions they were drawn from.
+    """
+    h = drafter.forward(mx.array([tokens]), hidden, cache)[:, -1:]  # [1, 1, H]
+    drafts, qs = [], []
+    for i in range(k):
+        logits = target.lm_head(h)[0, -1]  # [V]
+        if s.greedy:
+            d = mx.argmax(logits)
+        else:
+            qs.append(probs(logits, s))
+            d = mx.random.categorical(mx.log(qs[-1]))
+        drafts.append(d)
+        if i < k - 1:
+            h = drafter.forward(d.reshape(1, 1), h, cache)
+    mx.eval(drafts)
+    return [int(d.item()) for d in drafts], (mx.stack(qs) if qs else None)
+
+
+def generate_mtp(
+    target,
+    drafter,
+    prompt,
+    *,
+    block_size: int,
+    max_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    eos_ids: Iterable[int] = (),
+    stats: GenerationStats | None = None,
+) -> Iterator[int]:
+    """Yield generated token ids (EOS excluded) until EOS or ``max_tokens``."""
+    if not 2 <= block_size <= 16:
+        raise UsageError(f"block size must be in [2, 16], got {block_size}")
+    stats = stats if stats is not None else GenerationStats()
+    stats.mtp = rs = MTPStats(block_size)
+    eos, k = set(eos_ids), block_size - 1
+    tokens = prompt_array(prompt)
+    tcache, dcache = target.make_cache(), drafter.make_cache()
+    start = time.perf_counter()
+    hidden = target.prefill(tokens, tcache)  # [1, L, H]
+    pending = int(pick(target.lm_head(hidden[:, -1:])[0, -1], sampling).item())
+    stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
+    start = time.perf_counter()
+    # The drafter sees token j+1 with the target hidden at j.
+    ctx_tokens, ctx_hidden = tokens[0, 1:].tolist() + [pending], hidden
+    emitted, n = [pending], 0
+    try:
+        while True:
+            for t in emitted:
+                if t in eos or n >= max_tokens:
+                    return
+                yield t
+                n += 1
+                stats.generation_tokens, stats.generation_s = n, time.perf_counter() - start
+            if n >= max_tokens:
+                return
+            t0 = time.perf_counter()
+            drafts, q = draft(drafter, target, ctx_tokens, ctx_hidden, dcache, k, sampling)
+            t1 = time.perf_counter()
+            out = target.forward(mx.array([[pending, *drafts]]), tcache, verify=True)
+            logits = target.lm_head(out.hidden, rowwise=target.rowwise)[0]  # [k+1, V]
+            if sampling.greedy:
+                targets = mx.argmax(logits, axis=-1).tolist()
+                n_acc = accept_greedy(drafts, targets)
+                nxt = targets[n_acc]
+            else:
+                n_acc, nxt = accept_sampled(probs(logits, sampling), q, drafts)
+            t2 = time.perf_counter()
+            rollback(tcache, out.traces, n_acc + 1, k + 1)
+            drafter.trim(dcache, k - 1)
+            mx.eval(cache_arrays(tcache))
+            rs.record(k, n_acc)
+            rs.draft_s += t1 - t0
+            rs.verify_s += t2 - t1
+            rs.rollback_s += time.perf_counter() - t2
+            emitted = drafts[:n_acc] + [nxt]
+            ctx_tokens, ctx_hidden, pending = emitted, out.hidden[:, : n_acc + 1], nxt
+    finally:
+        stats.generation_s = time.perf_counter() - start
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9

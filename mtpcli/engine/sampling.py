@@ -1,0 +1,88 @@
+"""Sampling: one processed distribution for target and drafter, and the speculative accept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from ..errors import UsageError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.temp >= 0:
+            raise UsageError(f"--temp must be >= 0, got {self.temp}")
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise UsageError(f"--top-k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise UsageError(f"--min-p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+
+def probs(logits: mx.array, s: SamplingParams) -> mx.array:
+    """The sampling distribution [..., V] (float32) after top-p / min-p / top-k and temperature.
+
+    The target and the drafter go through this same function, so speculative sampling
+    compares like with like.
+    """
+    logits = logits.astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if s.top_p < 1.0:
+        logprobs = apply_top_p(logprobs, s.top_p)
+    if s.min_p > 0.0:
+        logprobs = apply_min_p(logprobs, s.min_p)
+    if 0 < s.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, s.top_k)
+    return mx.softmax(logprobs / s.temp, axis=-1)
+
+
+def pick(logits: mx.array, s: SamplingParams) -> mx.array:
+    """One token id per row of logits [..., V]: argmax at temperature 0, else a sample."""
+    if s.greedy:
+        return mx.argmax(logits, axis=-1)
+    return mx.random.categorical(mx.log(probs(logits, s)))
+
+
+def accept_greedy(drafts: list[int], targets: list[int]) -> int:
+    """The number of leading drafts that equal the target's own next tokens."""
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return n
+
+
+def accept_sampled(p: mx.array, q: mx.array, drafts: list[int]) -> tuple[int, int]:
+    """Speculative sampling for one round; preserves the target distribution.
+
+    p: [k+1, V] target distributions at the verified positions; q: [k, V] the drafter's
+    distributions the drafts were sampled from. Draft i is accepted with probability
+    min(1, p_i(d)/q_i(d)); the first rejected position is resampled from the normalised
+    residual max(0, p_i - q_i); if every draft is accepted, a bonus token is drawn from p_k.
+    Returns (accepted count, the target token that ends the round).
+    """
+    k = len(drafts)
+    rows, d = mx.arange(k), mx.array(drafts)
+    pd, qd = p[rows, d], q[rows, d]
+    u = mx.random.uniform(shape=(k,))
+    ok = (u * qd < pd).tolist()
+    n = next((i for i, a in enumerate(ok) if not a), k)
+    if n == k:
+        dist = p[k]
+    else:
+        residual = mx.maximum(p[n] - q[n], 0.0)
+        total = residual.sum()
+        dist = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[n])
+    return n, int(mx.random.categorical(mx.log(dist)).item())

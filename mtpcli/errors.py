@@ -1,0 +1,58 @@
+"""The project's errors. Library code raises these; only ``cli.py`` prints them.
+
+Every message says what went wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class MtpError(Exception):
+    """Base class of every error this tool reports to a user."""
+
+    exit_code = 1
+
+
+class ModelNotFoundError(MtpError):
+    """A path does not exist, or a repo id cannot be resolved to a local snapshot."""
+
+
+class BadConfigError(MtpError):
+    """config.json is missing, unreadable, not JSON, or not the expected shape."""
+
+
+class ConfigOutOfBoundsError(BadConfigError):
+    """A config scalar is mistyped or outside the range any real model uses."""
+
+
+class BadCheckpointError(MtpError):
+    """The weight files are damaged, or their tensors do not match the config."""
+
+
+class UnsupportedModelTypeError(MtpError):
+    """A model_type this tool does not know."""
+
+
+class TargetNotMTPCapableError(MtpError):
+    """MTP was requested for a target family that has no MTP support."""
+
+
+class NotStandaloneDrafterError(MtpError):
+    """A directory given as --draft-model is not a standalone qwen3_5_mtp drafter."""
+
+
+class DrafterMismatchError(MtpError):
+    """The drafter's shapes do not fit the target it would draft for."""
+
+
+class TokenizerError(MtpError):
+    """The target directory has no usable tokenizer."""
+
+
+class UsageError(MtpError):
+    """An argument combination or value the engine cannot honour."""
+
+    exit_code = 2
+
+
+class BatchNotSupportedError(UsageError):
+    """The MTP engine runs one sequence at a time."""

@@ -1,0 +1,1 @@
+"""Compute kernels with an ops reference, per-backend builders, and one public entry each."""

@@ -1,0 +1,207 @@
+"""The Qwen3.5 / 3.6 / 3.8 target (dense and MoE): one forward for decode, prefill and verify.
+
+Parameters and checkpoint names are mlx-lm's (``mlx_lm.models.qwen3_5``); the forward is ours,
+so that the classic decoder and the MTP verify compute every position with the same arithmetic,
+and so that a verify pass keeps what the rollback needs (per-step gated-delta states and the
+conv inputs). Row-invariance: on a backend where a batched op is not bitwise equal per row,
+``rowwise`` computes the verify block one position at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3_5, qwen3_5_moe
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.gated_delta import compute_g, normalize_qk
+
+from ..config import ModelConfig
+from ..kernels.gated_delta import gated_delta
+from ..weights import load_arrays, load_module_weights
+
+PREFILL_CHUNK = 2048
+
+
+@dataclass
+class GatedDeltaTrace:
+    """What one verify pass left behind in one gated-delta layer, for the rollback."""
+
+    conv_input: mx.array  # [B, K-1+T, C]: the old conv window followed by the T new inputs
+    states: list[mx.array]  # T x [B, Hv, Dv, Dk]: the recurrent state after each position
+
+
+@dataclass
+class ForwardOut:
+    hidden: mx.array  # [B, T, H], final-normed
+    traces: list[GatedDeltaTrace | None] | None  # per layer (None for attention layers)
+
+
+def rows(fn: Callable[[mx.array], mx.array], x: mx.array, rowwise: bool) -> mx.array:
+    """Apply ``fn`` to x [B, T, ...] as a whole, or one position at a time."""
+    if not rowwise or x.shape[1] == 1:
+        return fn(x)
+    return mx.concatenate([fn(x[:, t : t + 1]) for t in range(x.shape[1])], axis=1)
+
+
+def default_rowwise() -> bool:
+    # Measured: every op of the forward is row-invariant on MLX's CPU backend; GPU matmuls
+    # (bf16 on CUDA in particular) are not, so the verify block goes position by position there.
+    return mx.default_device() != mx.cpu
+
+
+def _gated_delta_layer(m: qwen3_5.GatedDeltaNet, x, cache, keep: bool, rowwise: bool):
+    B, S, _ = x.shape
+    n_keep = m.conv_kernel_size - 1
+    qkv = rows(m.in_proj_qkv, x, rowwise)  # [B, S, C]
+    z = rows(m.in_proj_z, x, rowwise).reshape(B, S, m.num_v_heads, m.head_v_dim)
+    b = rows(m.in_proj_b, x, rowwise)  # [B, S, Hv]
+    a = rows(m.in_proj_a, x, rowwise)  # [B, S, Hv]
+
+    conv_state = cache[0]
+    if conv_state is None:
+        conv_state = mx.zeros((B, n_keep, m.conv_dim), dtype=x.dtype)  # [B, K-1, C]
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)  # [B, K-1+S, C]
+    cache[0] = mx.contiguous(conv_input[:, conv_input.shape[1] - n_keep :])
+    if rowwise and S > 1:
+        conv_out = mx.concatenate(
+            [m.conv1d(conv_input[:, t : t + n_keep + 1]) for t in range(S)], axis=1
+        )
+    else:
+        conv_out = m.conv1d(conv_input)
+    conv_out = nn.silu(conv_out)  # [B, S, C]
+
+    q, k, v = mx.split(conv_out, [m.key_dim, 2 * m.key_dim], axis=-1)
+    q = q.reshape(B, S, m.num_k_heads, m.head_k_dim)
+    k = k.reshape(B, S, m.num_k_heads, m.head_k_dim)
+    v = v.reshape(B, S, m.num_v_heads, m.head_v_dim)
+    q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
+    g = compute_g(m.A_log, a, m.dt_bias)  # [B, S, Hv]
+    beta = mx.sigmoid(b)  # [B, S, Hv]
+    state = cache[1]
+    if state is None:
+        state = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
+    y, state, states = gated_delta(q, k, v, g, beta, state, keep_states=keep)
+    cache[1] = state
+
+    out = m.norm(y, z)  # [B, S, Hv, Dv]
+    out = rows(m.out_proj, out.reshape(B, S, -1), rowwise)
+    return out, (GatedDeltaTrace(conv_input, states) if keep else None)
+
+
+def _attention_layer(m, x, mask, cache, rowwise: bool):
+    if not rowwise or x.shape[1] == 1:
+        return m(x, mask=mask, cache=cache)
+    # One position at a time through the cache: exactly the decode arithmetic.
+    return mx.concatenate([m(x[:, t : t + 1], cache=cache) for t in range(x.shape[1])], axis=1)
+
+
+class Qwen35Target:
+    """A loaded Qwen3.5-family target with the surface the engines need."""
+
+    def __init__(self, model: nn.Module, config: ModelConfig):
+        self.model = model  # mlx-lm's Model: parameters and checkpoint names
+        self.config = config
+        self.text = model.language_model
+        self.rowwise = default_rowwise()
+
+    @property
+    def layers(self):
+        return self.text.model.layers
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.text.model.embed_tokens
+
+    def make_cache(self) -> list:
+        return [ArraysCache(size=2) if layer.is_linear else KVCache() for layer in self.layers]
+
+    def lm_head(self, hidden: mx.array, rowwise: bool = False) -> mx.array:
+        """Logits [B, T, V] from final-normed hidden states [B, T, H]."""
+        if self.config.text.tie_word_embeddings:
+            head = self.embed_tokens.as_linear
+        else:
+            head = self.text.lm_head
+        return rows(head, hidden, rowwise)
+
+    def forward(self, tokens: mx.array, cache: list, *, verify: bool = False) -> ForwardOut:
+        """Run tokens [B, T] through the decoder, appending to ``cache``.
+
+        ``verify`` keeps the per-position traces for ``rollback`` and, where the backend needs
+        it, computes position by position so that the result equals T decode steps bitwise.
+        """
+        rowwise = verify and self.rowwise
+        h = self.embed_tokens(tokens)  # [B, T, H]
+        kv = next((c for c, layer in zip(cache, self.layers) if not layer.is_linear), None)
+        mask = None if rowwise else create_attention_mask(h, kv)
+        traces: list[GatedDeltaTrace | None] = []
+        for layer, c in zip(self.layers, cache):
+            x = layer.input_layernorm(h)
+            if layer.is_linear:
+                r, trace = _gated_delta_layer(layer.linear_attn, x, c, verify, rowwise)
+            else:
+                r, trace = _attention_layer(layer.self_attn, x, mask, c, rowwise), None
+            traces.append(trace)
+            h = h + r
+            h = h + rows(layer.mlp, layer.post_attention_layernorm(h), rowwise)
+        return ForwardOut(self.text.model.norm(h), traces if verify else None)
+
+    def prefill(self, tokens: mx.array, cache: list) -> mx.array:
+        """Process a prompt [B, L] in chunks; returns the final-normed hidden states [B, L, H]."""
+        hidden = []
+        for start in range(0, tokens.shape[1], PREFILL_CHUNK):
+            out = self.forward(tokens[:, start : start + PREFILL_CHUNK], cache)
+            mx.eval(out.hidden)
+            hidden.append(out.hidden)
+        return mx.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
+
+
+def trim_kv(cache: KVCache, n: int) -> None:
+    cache.trim(n)
+
+
+def restore_conv(cache: ArraysCache, trace: GatedDeltaTrace, n_keep: int) -> None:
+    window = cache[0].shape[1]
+    cache[0] = trace.conv_input[:, n_keep : n_keep + window]
+
+
+def restore_state(cache: ArraysCache, trace: GatedDeltaTrace, n_keep: int) -> None:
+    cache[1] = trace.states[n_keep - 1]
+
+
+def rollback(cache: list, traces: list, n_keep: int, block: int) -> None:
+    """Leave ``cache`` exactly as after the first ``n_keep`` of the last ``block`` positions."""
+    if n_keep == block:
+        return
+    for c, trace in zip(cache, traces):
+        if trace is None:
+            trim_kv(c, block - n_keep)
+        else:
+            restore_conv(c, trace, n_keep)
+            restore_state(c, trace, n_keep)
+
+
+def cache_arrays(cache: list) -> list[mx.array]:
+    """The arrays a rollback may have replaced (for an explicit eval)."""
+    return [a for c in cache if isinstance(c, ArraysCache) for a in c.cache if a is not None]
+
+
+def build_model(config: ModelConfig) -> nn.Module:
+    """An mlx-lm module tree of the config's shape (lazy random parameters)."""
+    family = qwen3_5_moe if config.model_type == "qwen3_5_moe" else qwen3_5
+    args = family.ModelArgs(model_type=config.model_type, text_config=config.text.to_mlx_lm())
+    return family.Model(args)
+
+
+def load_target(model_dir: Path, config: ModelConfig) -> Qwen35Target:
+    """Load a target in any supported layout (mlx-community, flat, raw Hugging Face)."""
+    model = build_model(config)
+    # mlx-lm's sanitize is the layout fix for targets: drops vision and mtp.* tensors, maps
+    # raw names, moves conv1d axes, and undoes the raw w-1 norm storage.
+    weights = model.sanitize(load_arrays(model_dir))
+    load_module_weights(model, weights, config.quantization, str(model_dir))
+    return Qwen35Target(model, config)

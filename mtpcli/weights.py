@@ -1,0 +1,224 @@
+"""Safetensors inventories, checked headers, and the drafter's checkpoint layout.
+
+Headers are read through the safetensors library (no tensor data is touched), so every
+file is validated before MLX maps it. ``sanitize_drafter`` is the one place where the raw
+Hugging Face MTP layout is turned into the standalone MLX layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+from safetensors import SafetensorError, safe_open
+
+from .config import read_json_object
+from .errors import BadCheckpointError, BadConfigError
+
+DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+    "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+}  # fmt: skip
+
+MTP_PREFIX = "mtp."
+# Raw checkpoints store these RMSNorm weights as w - 1; the standalone MLX layout already
+# holds w. Exactly these seven suffixes are shifted, nothing else.
+NORM_SHIFT_SUFFIXES = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+    "norm.weight",
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+)
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES.get(self.dtype, 1)
+
+
+def _checked_file(path: Path) -> Path:
+    if not path.exists():
+        raise BadCheckpointError(f"weights file {path} is missing (or a dangling link)")
+    real = path.resolve()
+    if real.is_dir():
+        raise BadCheckpointError(f"{path} is a directory, expected a .safetensors file")
+    if not real.is_file():
+        raise BadCheckpointError(f"{path} is not a regular file")
+    return real
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those named by the index, else ``*.safetensors``."""
+    index = model_dir / INDEX_FILE
+    if index.exists() or index.is_symlink():
+        try:
+            obj = read_json_object(index, INDEX_FILE)
+        except BadConfigError as e:
+            raise BadCheckpointError(str(e)) from e
+        wmap = obj.get("weight_map")
+        if not isinstance(wmap, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()
+        ):
+            raise BadCheckpointError(f"{index} has no valid 'weight_map'")
+        names = sorted(set(wmap.values()))
+        for n in names:
+            if "/" in n or "\\" in n or n.startswith("."):
+                raise BadCheckpointError(f"{index} names a file outside the checkpoint: {n!r}")
+        return [model_dir / n for n in names]
+    files = sorted(p for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise BadCheckpointError(f"no .safetensors weights in {model_dir}")
+    return files
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Validated header of one safetensors file: names, dtypes and shapes, no data read."""
+    real = _checked_file(path)
+    try:
+        with safe_open(str(real), framework="numpy") as f:
+            out = {}
+            for name in f.keys():
+                sl = f.get_slice(name)
+                out[name] = TensorInfo(sl.get_dtype(), tuple(sl.get_shape()), path.name)
+            return out
+    except SafetensorError as e:
+        raise BadCheckpointError(f"{path} is not a valid safetensors file: {e}") from e
+    except OSError as e:
+        raise BadCheckpointError(f"cannot read {path}: {e}") from e
+
+
+def read_inventory(model_dir: Path) -> dict[str, TensorInfo]:
+    """Every tensor of a checkpoint, from headers alone; duplicates and index drift refused."""
+    inv: dict[str, TensorInfo] = {}
+    for f in weight_files(model_dir):
+        for name, info in read_header(f).items():
+            if name in inv:
+                raise BadCheckpointError(f"tensor {name} appears in both {inv[name].file} and {f.name}")
+            inv[name] = info
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        wmap = read_json_object(index, INDEX_FILE)["weight_map"]
+        missing = sorted(k for k, v in wmap.items() if k not in inv or inv[k].file != v)
+        if missing:
+            raise BadCheckpointError(
+                f"{index} lists {len(missing)} tensors its files do not hold, e.g. {missing[0]}"
+            )
+    return inv
+
+
+def load_arrays(model_dir: Path) -> dict[str, mx.array]:
+    """All tensors of a checkpoint as (lazily loaded) MLX arrays, after the header checks."""
+    read_inventory(model_dir)
+    weights: dict[str, mx.array] = {}
+    for f in weight_files(model_dir):
+        try:
+            weights.update(mx.load(str(f.resolve())))
+        except (RuntimeError, ValueError) as e:
+            raise BadCheckpointError(f"MLX cannot load {f}: {e}") from e
+    return weights
+
+
+def is_raw_mtp_layout(names) -> bool:
+    return any(n.startswith(MTP_PREFIX) for n in names)
+
+
+def drafter_key(name: str) -> tuple[str, bool]:
+    """Map one drafter tensor name to the standalone layout: (new name, needs +1.0 shift)."""
+    if not name.startswith(MTP_PREFIX):
+        return name, False
+    stripped = name[len(MTP_PREFIX) :]
+    return stripped, any(stripped.endswith(s) for s in NORM_SHIFT_SUFFIXES)
+
+
+def norm_shift_names(names) -> list[str]:
+    """The tensors that ``sanitize_drafter`` would shift by +1.0 (raw layout only)."""
+    return sorted(n for n in names if drafter_key(n)[1])
+
+
+def sanitize_drafter(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Raw ``mtp.*`` tensors -> standalone drafter layout. Idempotent: a second pass is a no-op.
+
+    Non-``mtp.`` keys are taken as already standalone and are never shifted. Fused MoE expert
+    tensors are split into mlx-lm's ``switch_mlp`` layout.
+    """
+    out: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        key, shift = drafter_key(name)
+        out[key] = value + 1.0 if shift else value
+    for prefix in sorted({k.rsplit(".experts.", 1)[0] for k in out if ".experts.gate_up_proj" in k}):
+        gate_up = out.pop(f"{prefix}.experts.gate_up_proj")
+        mid = gate_up.shape[-2] // 2
+        out[f"{prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        out[f"{prefix}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(f"{prefix}.experts.down_proj")
+    return out
+
+
+def _quantize(module, quantization: dict | None, weights: dict[str, mx.array]) -> None:
+    """Quantize the layers the checkpoint stores quantized (per-module overrides honoured)."""
+    import mlx.nn as nn
+
+    if not quantization:
+        return
+
+    def predicate(path: str, m) -> bool | dict:
+        if path in quantization:
+            return quantization[path]
+        return hasattr(m, "to_quantized") and f"{path}.scales" in weights
+
+    nn.quantize(
+        module,
+        group_size=quantization.get("group_size", 64),
+        bits=quantization["bits"],
+        mode=quantization.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def check_inventory(expected: dict[str, tuple], weights: dict[str, mx.array], where: str) -> None:
+    """Refuse missing, unknown, mis-shaped or mis-typed tensors with one clear message."""
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing:
+        raise BadCheckpointError(
+            f"{where} lacks {len(missing)} tensor(s) its config needs, e.g. {missing[0]}"
+        )
+    if extra:
+        raise BadCheckpointError(
+            f"{where} has {len(extra)} tensor(s) its config does not explain, e.g. {extra[0]}"
+        )
+    for name, (shape, dtype) in expected.items():
+        w = weights[name]
+        if tuple(w.shape) != tuple(shape):
+            raise BadCheckpointError(
+                f"{where}: tensor {name} has shape {tuple(w.shape)}, config expects {tuple(shape)}"
+            )
+        if (dtype == mx.uint32) != (w.dtype == mx.uint32) or not (
+            w.dtype == mx.uint32 or mx.issubdtype(w.dtype, mx.floating)
+        ):
+            raise BadCheckpointError(f"{where}: tensor {name} has dtype {w.dtype}, expected {dtype}")
+
+
+def load_module_weights(module, weights: dict[str, mx.array], quantization: dict | None, where: str):
+    """Quantize ``module`` like the checkpoint, check the inventory, then load and evaluate."""
+    from mlx.utils import tree_flatten
+
+    _quantize(module, quantization, weights)
+    expected = {k: (v.shape, v.dtype) for k, v in tree_flatten(module.parameters())}
+    check_inventory(expected, weights, where)
+    module.load_weights(list(weights.items()), strict=True)
+    mx.eval(module.parameters())
+    module.eval()
+    return module
