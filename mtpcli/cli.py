@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -28,7 +27,7 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on 
     state["debug"] = debug
 
 
-def _read_prompt(prompt: Optional[str]) -> str:
+def _read_prompt(prompt: str | None) -> str:
     if prompt is None or prompt == "-":
         if sys.stdin.isatty():
             err.print("[dim]reading the prompt from stdin (end with Ctrl-D)[/dim]")
@@ -36,7 +35,7 @@ def _read_prompt(prompt: Optional[str]) -> str:
     return prompt
 
 
-def _encode(tokenizer, prompt: str, system: Optional[str], ignore_template: bool) -> list[int]:
+def _encode(tokenizer, prompt: str, system: str | None, ignore_template: bool) -> list[int]:
     if ignore_template or not getattr(tokenizer, "chat_template", None):
         return tokenizer.encode(prompt)
     messages = ([{"role": "system", "content": system}] if system else []) + [
@@ -49,7 +48,9 @@ def _encode(tokenizer, prompt: str, system: Optional[str], ignore_template: bool
 def _print_stats(stats, draft_kind: str) -> None:
     err.print("==========")
     err.print(f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec")
-    err.print(f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec")
+    err.print(
+        f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec"
+    )
     err.print(f"Peak memory: {stats.peak_memory_gb:.3f} GB")
     err.print(f"Draft kind: {draft_kind}")
     r = stats.mtp
@@ -94,26 +95,37 @@ def _stats_json(stats) -> dict:
 
 @app.command()
 def generate(
-    model: Optional[str] = typer.Option(
-        None, "-m", "--model", help="Target: directory or Hugging Face repo id (default: built-in example)."
+    model: str | None = typer.Option(
+        None,
+        "-m",
+        "--model",
+        help="Target: directory or Hugging Face repo id (default: built-in example).",
     ),
-    draft_model: Optional[str] = typer.Option(
+    draft_model: str | None = typer.Option(
         None, "--draft-model", help="A standalone qwen3_5_mtp drafter: directory or repo id."
     ),
     draft_kind: str = typer.Option("auto", "--draft-kind", help="auto | mtp | none."),
-    draft_block_size: Optional[int] = typer.Option(
-        None, "--draft-block-size", help="Tokens per round, pending token included (default: the drafter's block_size)."
+    draft_block_size: int | None = typer.Option(
+        None,
+        "--draft-block-size",
+        help="Tokens per round, pending token included (default: the drafter's block_size).",
     ),
-    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text; '-' or absent reads stdin."),
-    max_tokens: int = typer.Option(256, "-n", "--max-tokens", min=1, help="Most tokens to generate."),
+    prompt: str | None = typer.Option(
+        None, "-p", "--prompt", help="Prompt text; '-' or absent reads stdin."
+    ),
+    max_tokens: int = typer.Option(
+        256, "-n", "--max-tokens", min=1, help="Most tokens to generate."
+    ),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
     min_p: float = typer.Option(0.0, "--min-p"),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling."),
-    system_prompt: Optional[str] = typer.Option(None, "--system-prompt"),
+    seed: int | None = typer.Option(None, "--seed", help="Seed for sampling."),
+    system_prompt: str | None = typer.Option(None, "--system-prompt"),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template"),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one JSON object instead of streaming."
+    ),
     verbose: bool = typer.Option(False, "--verbose", help="Say what was loaded and decided."),
 ) -> None:
     """Generate text, with MTP speculative decoding when a drafter is given."""
@@ -152,7 +164,9 @@ def generate(
             loaded.target, ids, max_tokens=max_tokens, sampling=sampling, eos_ids=eos, stats=stats
         )
     if verbose:
-        err.print(f"target {loaded.target_dir}; drafter {loaded.drafter_dir}; kind {loaded.draft_kind}")
+        err.print(
+            f"target {loaded.target_dir}; drafter {loaded.drafter_dir}; kind {loaded.draft_kind}"
+        )
     detok = loaded.tokenizer.detokenizer
     detok.reset()
     out_ids = []
@@ -211,7 +225,9 @@ def inspect_weights(
 def extract_drafter_cmd(
     src: Path = typer.Argument(..., help="A raw Hugging Face checkpoint with mtp.* tensors."),
     out: Path = typer.Argument(..., help="Directory to write the standalone drafter to."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="Default block size to record."),
+    block_size: int | None = typer.Option(
+        None, "--block-size", help="Default block size to record."
+    ),
 ) -> None:
     """Split the MTP head of a raw checkpoint into a standalone qwen3_5_mtp drafter."""
     from .extract import extract_drafter
@@ -229,26 +245,30 @@ def bench() -> None:
     raise UsageError("`mtp bench` is not implemented yet; it arrives in a later release")
 
 
-def main() -> None:
+def run(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code. Errors become one red line on stderr."""
+    import click
+
     try:
-        app(standalone_mode=False)
+        app(args=argv, standalone_mode=False)
+        return 0
     except MtpError as e:
         if state["debug"]:
             raise
         err.print(f"[bold red]error:[/bold red] {e}", soft_wrap=True)
-        sys.exit(e.exit_code)
-    except typer.Abort:
+        return e.exit_code
+    except click.exceptions.Abort:
         err.print("aborted")
-        sys.exit(130)
-    except Exception as e:  # click's usage errors
-        import click
+        return 130
+    except click.exceptions.ClickException as e:
+        e.show()
+        return e.exit_code
+    except click.exceptions.Exit as e:
+        return e.exit_code
 
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Exit):
-            sys.exit(e.exit_code)
-        raise
+
+def main() -> None:
+    sys.exit(run())
 
 
 if __name__ == "__main__":

@@ -73,7 +73,9 @@ def _rope(d: dict) -> dict:
         and 0 < len(section) <= 4
         and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= 4096 for s in section)
     ):
-        raise ConfigOutOfBoundsError(f"config 'mrope_section' must be a short list of ints: {section!r}")
+        raise ConfigOutOfBoundsError(
+            f"config 'mrope_section' must be a short list of ints: {section!r}"
+        )
     out["mrope_section"] = section
     if rope_type != "default":
         out["factor"] = _float(merged, "factor", 0.0, 1e4, 1.0)
@@ -125,7 +127,8 @@ class TextConfig:
         kv_heads = _int(d, "num_key_value_heads", 1, 1024, heads)
         if heads % kv_heads:
             raise ConfigOutOfBoundsError(
-                f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
+                f"num_attention_heads ({heads}) is not a multiple of "
+                f"num_key_value_heads ({kv_heads})"
             )
         head_dim = _int(d, "head_dim", 2, 1024, max(hidden // heads, 2))
         layers = _int(d, "num_hidden_layers", 1, 1024)

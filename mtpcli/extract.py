@@ -1,4 +1,4 @@
-"""``mtp extract-drafter``: split the mtp.* tensors of a raw checkpoint into a standalone drafter."""
+"""``mtp extract-drafter``: split a raw checkpoint's mtp.* tensors into a standalone drafter."""
 
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ def extract_drafter(src: Path, out: Path, block_size: int | None = None) -> Path
     text = raw.get("text_config", {k: v for k, v in raw.items() if k != "model_type"})
     block = block_size or max(config.text.mtp_num_hidden_layers, 1) + 2
     out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), sanitize_drafter(tensors), {"format": "mlx"})
+    mx.save_safetensors(
+        str(out / "model.safetensors"), sanitize_drafter(tensors), {"format": "mlx"}
+    )
     drafter_config = {"model_type": "qwen3_5_mtp", "block_size": block, "text_config": text}
     (out / "config.json").write_text(json.dumps(drafter_config, indent=1))
     check_drafter(out, config)

@@ -84,7 +84,9 @@ def tiny_text_config(moe: bool = False, **overrides) -> dict:
 
 
 def _model_config(model_type: str, text: dict, block_size: int | None = None) -> ModelConfig:
-    return ModelConfig(model_type, TextConfig.from_dict(text, model_type), None, (), block_size, True)
+    return ModelConfig(
+        model_type, TextConfig.from_dict(text, model_type), None, (), block_size, True
+    )
 
 
 def _unflatten(flat: dict):
@@ -104,8 +106,18 @@ def _scale(module: nn.Module, names: tuple[str, ...], factor: float) -> None:
     module.update(_unflatten(flat))
 
 
-def build_target(text: dict, *, seed: int = 0, predictable: float | None = None, dtype=mx.bfloat16):
-    """An mlx-lm qwen3_5 / qwen3_5_moe module with seeded random (or predictable) weights."""
+def build_target(
+    text: dict,
+    *,
+    seed: int = 0,
+    predictable: float | None = None,
+    head_scale: float = 1.0,
+    dtype=mx.bfloat16,
+):
+    """An mlx-lm qwen3_5 / qwen3_5_moe module with seeded random (or predictable) weights.
+
+    ``head_scale`` < 1 softens the predictable head so that sampling has several likely tokens.
+    """
     model_type = "qwen3_5_moe" if text.get("num_experts", 0) else "qwen3_5"
     mx.random.seed(seed)
     model = build_model(_model_config(model_type, text))
@@ -115,15 +127,20 @@ def build_target(text: dict, *, seed: int = 0, predictable: float | None = None,
         nxt = _next_token_map(embed.shape[0], seed)
         head = mx.zeros_like(embed)
         head = head.at[mx.array(nxt)].add(embed)  # row y = sum of embeddings of ids mapping to y
-        lm.lm_head.weight = head
+        lm.lm_head.weight = head * head_scale
         _scale(model, ("o_proj.weight", "out_proj.weight", "down_proj.weight"), predictable)
-    flat = {k: (v if k.endswith("A_log") else v.astype(dtype)) for k, v in tree_flatten(model.parameters())}
+    flat = {
+        k: (v if k.endswith("A_log") else v.astype(dtype))
+        for k, v in tree_flatten(model.parameters())
+    }
     model.update(_unflatten(flat))
     mx.eval(model.parameters())
     return model
 
 
-def build_drafter(text: dict, *, seed: int = 1, predictable: float | None = None, dtype=mx.bfloat16):
+def build_drafter(
+    text: dict, *, seed: int = 1, predictable: float | None = None, dtype=mx.bfloat16
+):
     """A qwen3_5_mtp head; ``predictable`` makes it pass the input token's embedding through."""
     mx.random.seed(seed)
     module = Qwen35MTP(_model_config("qwen3_5_mtp", text, 3))
@@ -204,7 +221,7 @@ def _bytes_to_unicode() -> list[str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    mapping = dict(zip(bs, cs))
+    mapping = dict(zip(bs, cs, strict=True))
     return [chr(mapping[b]) for b in range(256)]
 
 

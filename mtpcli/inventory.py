@@ -43,7 +43,10 @@ def describe(model_dir: Path) -> dict:
     quant = config.get("quantization")
     try:
         check_drafter(model_dir)
-        drafter_ok, reason = True, f"standalone {model_type} drafter; its {len(names)} tensors match its config"
+        drafter_ok, reason = (
+            True,
+            f"standalone {model_type} drafter; its {len(names)} tensors match its config",
+        )
     except MtpError as e:
         drafter_ok, reason = False, str(e)
     claimed = text.get("mtp_num_hidden_layers", 0) if isinstance(text, dict) else 0

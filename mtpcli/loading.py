@@ -60,7 +60,9 @@ def resolve_path(ref: str, what: str = "model") -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(ref, local_files_only=True, allow_patterns=_SNAPSHOT_PATTERNS))
+        return Path(
+            snapshot_download(ref, local_files_only=True, allow_patterns=_SNAPSHOT_PATTERNS)
+        )
     except Exception:  # noqa: BLE001 - not cached: try the hub below
         pass
     try:
@@ -192,6 +194,8 @@ def load_pair(model: str, draft_model: str | None, draft_kind: str = "auto") -> 
         raise UsageError(f"{target_dir} is a {target_type} drafter; pass it as --draft-model")
     tcfg = load_config(target_dir)
     drafter_type = peek_model_type(drafter_dir) if drafter_dir and draft_kind != "none" else None
+    if drafter_type in TARGET_TYPES:
+        check_drafter(drafter_dir)  # refuses with what the directory is and how to get a drafter
     kind = resolve_draft_kind(draft_kind, drafter_type, tcfg.model_type)
     dcfg = check_drafter(drafter_dir, tcfg) if kind == "mtp" else None
     read_inventory(target_dir)

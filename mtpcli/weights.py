@@ -105,7 +105,9 @@ def read_inventory(model_dir: Path) -> dict[str, TensorInfo]:
     for f in weight_files(model_dir):
         for name, info in read_header(f).items():
             if name in inv:
-                raise BadCheckpointError(f"tensor {name} appears in both {inv[name].file} and {f.name}")
+                raise BadCheckpointError(
+                    f"tensor {name} appears in both {inv[name].file} and {f.name}"
+                )
             inv[name] = info
     index = model_dir / INDEX_FILE
     if index.exists():
@@ -157,7 +159,9 @@ def sanitize_drafter(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     for name, value in weights.items():
         key, shift = drafter_key(name)
         out[key] = value + 1.0 if shift else value
-    for prefix in sorted({k.rsplit(".experts.", 1)[0] for k in out if ".experts.gate_up_proj" in k}):
+    for prefix in sorted(
+        {k.rsplit(".experts.", 1)[0] for k in out if ".experts.gate_up_proj" in k}
+    ):
         gate_up = out.pop(f"{prefix}.experts.gate_up_proj")
         mid = gate_up.shape[-2] // 2
         out[f"{prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
@@ -208,10 +212,26 @@ def check_inventory(expected: dict[str, tuple], weights: dict[str, mx.array], wh
         if (dtype == mx.uint32) != (w.dtype == mx.uint32) or not (
             w.dtype == mx.uint32 or mx.issubdtype(w.dtype, mx.floating)
         ):
-            raise BadCheckpointError(f"{where}: tensor {name} has dtype {w.dtype}, expected {dtype}")
+            raise BadCheckpointError(
+                f"{where}: tensor {name} has dtype {w.dtype}, expected {dtype}"
+            )
 
 
-def load_module_weights(module, weights: dict[str, mx.array], quantization: dict | None, where: str):
+def _cpu_expert_upcast(module) -> None:
+    # MLX's CPU backend runs gather_mm (unquantized MoE experts) in float32 only: upcast those
+    # expert weights there, once, at load. Quantized experts (gather_qmm) are unaffected.
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    if mx.default_device() != mx.cpu:
+        return
+    for _, m in module.named_modules():
+        if isinstance(m, SwitchLinear) and m.weight.dtype != mx.float32:
+            m.weight = m.weight.astype(mx.float32)
+
+
+def load_module_weights(
+    module, weights: dict[str, mx.array], quantization: dict | None, where: str
+):
     """Quantize ``module`` like the checkpoint, check the inventory, then load and evaluate."""
     from mlx.utils import tree_flatten
 
@@ -219,6 +239,7 @@ def load_module_weights(module, weights: dict[str, mx.array], quantization: dict
     expected = {k: (v.shape, v.dtype) for k, v in tree_flatten(module.parameters())}
     check_inventory(expected, weights, where)
     module.load_weights(list(weights.items()), strict=True)
+    _cpu_expert_upcast(module)
     mx.eval(module.parameters())
     module.eval()
     return module

@@ -53,7 +53,7 @@ class Qwen35MTPDrafter:
         e = m.pre_fc_norm_embedding(self.embed_tokens(tokens))  # [B, L, H]
         h = m.fc(mx.concatenate([e, m.pre_fc_norm_hidden(hidden)], axis=-1))  # [B, L, H]
         mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(m.layers, cache):
+        for layer, c in zip(m.layers, cache, strict=True):
             h = layer(h, mask=mask, cache=c)
         return m.norm(h)
 

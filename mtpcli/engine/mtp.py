@@ -16,7 +16,7 @@ import mlx.core as mx
 from ..errors import UsageError
 from ..models.qwen3_5 import cache_arrays, rollback
 from . import GenerationStats, MTPStats, prompt_array
-from .sampling import SamplingParams, accept_greedy, accept_sampled, pick, probs
+from .sampling import SamplingParams, accept_greedy, accept_sampled, greedy, pick, probs
 
 
 def draft(drafter, target, tokens: list[int], hidden: mx.array, cache: list, k: int, s):
@@ -29,7 +29,7 @@ def draft(drafter, target, tokens: list[int], hidden: mx.array, cache: list, k: 
     for i in range(k):
         logits = target.lm_head(h)[0, -1]  # [V]
         if s.greedy:
-            d = mx.argmax(logits)
+            d = greedy(logits)
         else:
             qs.append(probs(logits, s))
             d = mx.random.categorical(mx.log(qs[-1]))
@@ -83,7 +83,7 @@ def generate_mtp(
             out = target.forward(mx.array([[pending, *drafts]]), tcache, verify=True)
             logits = target.lm_head(out.hidden, rowwise=target.rowwise)[0]  # [k+1, V]
             if sampling.greedy:
-                targets = mx.argmax(logits, axis=-1).tolist()
+                targets = greedy(logits).tolist()
                 n_acc = accept_greedy(drafts, targets)
                 nxt = targets[n_acc]
             else:

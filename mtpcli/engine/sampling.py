@@ -49,10 +49,19 @@ def probs(logits: mx.array, s: SamplingParams) -> mx.array:
     return mx.softmax(logprobs / s.temp, axis=-1)
 
 
+def greedy(logits: mx.array) -> mx.array:
+    """Argmax per row of logits [..., V], taken over log-probabilities in the logits' dtype.
+
+    This is mlx-lm's greedy rule: in bf16 the subtraction can tie two logits, and the tie then
+    goes to the lower id; matching it keeps our tokens equal to mlx-lm's.
+    """
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+
+
 def pick(logits: mx.array, s: SamplingParams) -> mx.array:
-    """One token id per row of logits [..., V]: argmax at temperature 0, else a sample."""
+    """One token id per row of logits [..., V]: greedy at temperature 0, else a sample."""
     if s.greedy:
-        return mx.argmax(logits, axis=-1)
+        return greedy(logits)
     return mx.random.categorical(mx.log(probs(logits, s)))
 
 
@@ -79,10 +88,12 @@ def accept_sampled(p: mx.array, q: mx.array, drafts: list[int]) -> tuple[int, in
     u = mx.random.uniform(shape=(k,))
     ok = (u * qd < pd).tolist()
     n = next((i for i, a in enumerate(ok) if not a), k)
-    if n == k:
-        dist = p[k]
-    else:
-        residual = mx.maximum(p[n] - q[n], 0.0)
-        total = residual.sum()
-        dist = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[n])
+    dist = p[k] if n == k else residual(p[n], q[n])
     return n, int(mx.random.categorical(mx.log(dist)).item())
+
+
+def residual(p: mx.array, q: mx.array) -> mx.array:
+    """norm(max(0, p - q)) [V]: where a rejected position is resampled from (p if p == q)."""
+    r = mx.maximum(p - q, 0.0)
+    total = r.sum()
+    return mx.where(total > 0, r / mx.maximum(total, 1e-30), p)

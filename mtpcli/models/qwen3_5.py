@@ -136,10 +136,10 @@ class Qwen35Target:
         """
         rowwise = verify and self.rowwise
         h = self.embed_tokens(tokens)  # [B, T, H]
-        kv = next((c for c, layer in zip(cache, self.layers) if not layer.is_linear), None)
+        kv = next((c for c, ly in zip(cache, self.layers, strict=True) if not ly.is_linear), None)
         mask = None if rowwise else create_attention_mask(h, kv)
         traces: list[GatedDeltaTrace | None] = []
-        for layer, c in zip(self.layers, cache):
+        for layer, c in zip(self.layers, cache, strict=True):
             x = layer.input_layernorm(h)
             if layer.is_linear:
                 r, trace = _gated_delta_layer(layer.linear_attn, x, c, verify, rowwise)
@@ -177,7 +177,7 @@ def rollback(cache: list, traces: list, n_keep: int, block: int) -> None:
     """Leave ``cache`` exactly as after the first ``n_keep`` of the last ``block`` positions."""
     if n_keep == block:
         return
-    for c, trace in zip(cache, traces):
+    for c, trace in zip(cache, traces, strict=True):
         if trace is None:
             trim_kv(c, block - n_keep)
         else:

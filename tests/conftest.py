@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny checkpoints written once per session in every layout users have."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
+
+from mtpcli.fixtures import (  # noqa: E402
+    build_drafter,
+    build_target,
+    tiny_text_config,
+    write_drafter,
+    write_target,
+)
+
+PREDICTABLE = 0.45  # target mix: drafts accepted often, not always
+
+
+class Checkpoints:
+    """Lazily written checkpoints, keyed by what they are."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._cache: dict[tuple, Path] = {}
+
+    def target(self, *, moe=False, bits=None, layout="mlx", predictable=PREDICTABLE, shards=1,
+               seed=0, head_scale=1.0) -> Path:  # fmt: skip
+        key = ("t", moe, bits, layout, predictable, shards, seed, head_scale)
+        if key not in self._cache:
+            name = "-".join(str(k) for k in key)
+            text = tiny_text_config(moe=moe)
+            model = build_target(text, seed=seed, predictable=predictable, head_scale=head_scale)
+            drafter = build_drafter(text, predictable=predictable) if layout == "raw" else None
+            self._cache[key] = write_target(
+                self.root / name, text, layout=layout, bits=bits, shards=shards, model=model,
+                drafter=drafter,
+            )  # fmt: skip
+        return self._cache[key]
+
+    def drafter(self, *, moe=False, bits=None, predictable=PREDICTABLE, block_size=3,
+                seed=1) -> Path:  # fmt: skip
+        key = ("d", moe, bits, predictable, block_size, seed)
+        if key not in self._cache:
+            name = "-".join(str(k) for k in key)
+            self._cache[key] = write_drafter(
+                self.root / name, tiny_text_config(moe=moe), bits=bits, predictable=predictable,
+                block_size=block_size, seed=seed,
+            )  # fmt: skip
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory) -> Checkpoints:
+    return Checkpoints(tmp_path_factory.mktemp("ckpts"))
+
+
+@pytest.fixture(scope="session")
+def pair_cache():
+    return {}
+
+
+@pytest.fixture(scope="session")
+def load(ckpts, pair_cache):
+    """load(moe=..., bits=..., drafter='predictable'|'random') -> Loaded, cached per session."""
+    from mtpcli.loading import load_pair
+
+    def _load(*, moe=False, bits=None, drafter="predictable", drafter_bits=None, head_scale=1.0):
+        key = (moe, bits, drafter, drafter_bits, head_scale)
+        if key not in pair_cache:
+            pred = PREDICTABLE if drafter == "predictable" else None
+            t = ckpts.target(moe=moe, bits=bits, head_scale=head_scale)
+            d = ckpts.drafter(moe=moe, bits=drafter_bits, predictable=pred, seed=1 if pred else 5)
+            pair_cache[key] = load_pair(str(t), str(d))
+        return pair_cache[key]
+
+    return _load
+
+
+@pytest.fixture(autouse=True)
+def _example_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "mtp-cache"))

@@ -1,0 +1,61 @@
+"""The CLI end to end on the built-in example: text on stdout, statistics on stderr."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+from mtpcli.cli import run
+
+
+def test_generate_json_on_the_example(capsys):
+    assert run(["generate", "-p", "hello", "-n", "24", "--json"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["draft_kind"] == "mtp" and doc["block_size"] == 3
+    assert len(doc["tokens"]) == 24
+    assert doc["stats"]["rounds"] > 0 and 0 <= doc["stats"]["acceptance_rate"] <= 1
+    for key in ("generation_tps", "prompt_tps", "peak_memory_gb"):
+        assert doc["stats"][key] >= 0
+    assert "noise" in captured.err  # the example says what it is
+
+
+def test_streams_text_and_puts_stats_on_stderr(capsys):
+    assert run(["generate", "-p", "hello", "-n", "16", "--draft-block-size", "4"]) == 0
+    captured = capsys.readouterr()
+    assert "Generation: 16 tokens" in captured.err and "MTP: block 4" in captured.err
+    assert "tokens-per-sec" not in captured.out and captured.out.strip()
+
+
+def test_json_text_matches_classic(capsys):
+    assert run(["generate", "-p", "abc", "-n", "30", "--json"]) == 0
+    mtp = json.loads(capsys.readouterr().out)
+    assert run(["generate", "-p", "abc", "-n", "30", "--json", "--draft-kind", "none"]) == 0
+    classic = json.loads(capsys.readouterr().out)
+    assert classic["draft_kind"] == "none" and classic["stats"]["rounds"] == 0
+    assert mtp["tokens"] == classic["tokens"] and mtp["text"] == classic["text"]
+
+
+def test_prompt_from_stdin(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("from stdin"))
+    assert run(["generate", "-n", "4", "--json", "--ignore-chat-template"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["prompt_tokens"] == len("from stdin")
+
+
+def test_chat_template_and_system_prompt(capsys):
+    assert run(["generate", "-p", "hi", "-n", "2", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)["stats"]["prompt_tokens"]
+    assert run(["generate", "-p", "hi", "-n", "2", "--json", "--system-prompt", "be brief"]) == 0
+    with_system = json.loads(capsys.readouterr().out)["stats"]["prompt_tokens"]
+    assert plain > len("hi") and with_system > plain
+
+
+def test_console_script_and_module_entry_points(tmp_path):
+    for argv in (["mtp", "--help"], [sys.executable, "-m", "mtpcli", "--help"]):
+        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        assert "generate" in out and "inspect-weights" in out and "bench" in out
+    bad = subprocess.run(["mtp", "generate", "-m", str(tmp_path / "nope"), "-p", "x"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 1 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr

@@ -1,0 +1,147 @@
+"""Temperature 0: MTP tokens are identical to classic tokens. The contract MTP rests on."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache
+
+from mtpcli.engine import GenerationStats
+from mtpcli.engine.classic import generate_classic
+from mtpcli.engine.mtp import generate_mtp
+from mtpcli.models import qwen3_5 as target_mod
+
+PROMPTS = [
+    [7],  # one token
+    [72, 101, 108, 108, 111],
+    [200, 3, 9, 9, 41],
+    list(range(32, 96)),
+    [10] * 12,
+    [258, 257, 65, 66],
+    [(i * 37) % 250 for i in range(330)],  # longer than the KV cache's 256-step growth
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+]
+BLOCKS = [2, 3, 4, 6, 8]
+
+
+def _classic(loaded, prompt, n):
+    return list(generate_classic(loaded.target, prompt, max_tokens=n))
+
+
+def _mtp(loaded, prompt, n, block, stats=None):
+    return list(
+        generate_mtp(
+            loaded.target, loaded.drafter, prompt, block_size=block, max_tokens=n, stats=stats
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "moe,bits",
+    [(False, None), (False, 4), (True, None), (True, 4)],
+    ids=["bf16", "4bit", "moe-bf16", "moe-4bit"],
+)
+@pytest.mark.parametrize("drafter", ["predictable", "random"])
+def test_mtp_equals_classic(load, moe, bits, drafter):
+    loaded = load(moe=moe, bits=bits, drafter=drafter)
+    hist_by_block = {b: [0] * b for b in BLOCKS}
+    for prompt in PROMPTS:
+        want = _classic(loaded, prompt, 48)
+        assert len(want) == 48
+        for block in BLOCKS:
+            stats = GenerationStats()
+            got = _mtp(loaded, prompt, 48, block, stats)
+            assert got == want, f"prompt {prompt[:6]}... block {block}"
+            hist = stats.mtp.accept_histogram
+            hist_by_block[block] = [a + b for a, b in zip(hist_by_block[block], hist, strict=True)]
+    if drafter == "random":
+        # Every draft of a random drafter is rejected (almost always): the rollback runs
+        # its deepest case every round.
+        assert all(h[0] > 0.8 * sum(h) for h in hist_by_block.values())
+    else:
+        for block in (2, 3, 4):  # partial acceptance of every length occurred
+            assert all(c > 0 for c in hist_by_block[block]), (block, hist_by_block[block])
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_long_generation_all_accept_counts(load, block):
+    """256 tokens over several prompts; every accept count 0..k occurs, and MTP == classic."""
+    loaded = load()
+    hist = [0] * block
+    for prompt in PROMPTS[:6]:
+        want = _classic(loaded, prompt, 256)
+        stats = GenerationStats()
+        assert _mtp(loaded, prompt, 256, block, stats) == want
+        hist = [a + b for a, b in zip(hist, stats.mtp.accept_histogram, strict=True)]
+    assert all(c > 0 for c in hist), hist
+
+
+def _assert_same_caches(ca, cb):
+    for a, b in zip(ca, cb, strict=True):
+        if isinstance(a, ArraysCache):  # conv window, recurrent state
+            pairs = list(zip(a.cache, b.cache, strict=True))
+        else:
+            assert a.offset == b.offset
+            pairs = [(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :]),
+                     (a.values[..., : a.offset, :], b.values[..., : b.offset, :])]  # fmt: skip
+        for x, y in pairs:
+            assert x.dtype == y.dtype and mx.array_equal(x, y).item()
+
+
+def test_block_forward_equals_single_steps(load):
+    """A verify forward of T positions == T one-position forwards, bitwise, logits and caches."""
+    loaded = load(bits=4)
+    target = loaded.target
+    prompt = mx.array([[5, 6, 7, 8, 9, 10]])
+    block = mx.array([[11, 12, 13, 14, 15]])
+    ca, cb = target.make_cache(), target.make_cache()
+    target.prefill(prompt, ca)
+    target.prefill(prompt, cb)
+    out = target.forward(block, ca, verify=True)
+    logits_block = target.lm_head(out.hidden, rowwise=target.rowwise)
+    singles = []
+    for t in range(block.shape[1]):
+        singles.append(target.lm_head(target.forward(block[:, t : t + 1], cb).hidden))
+    assert mx.array_equal(logits_block, mx.concatenate(singles, axis=1)).item()
+    _assert_same_caches(ca, cb)
+
+
+def test_rollback_restores_exact_state(load):
+    """After verify + rollback to n, the caches equal those of a run that only saw n positions."""
+    target = load().target
+    prompt, block = mx.array([[3, 1, 4, 1, 5]]), mx.array([[9, 2, 6, 5]])
+    for n_keep in range(1, 5):
+        ca, cb = target.make_cache(), target.make_cache()
+        target.prefill(prompt, ca)
+        target.prefill(prompt, cb)
+        out = target.forward(block, ca, verify=True)
+        target_mod.rollback(ca, out.traces, n_keep, block.shape[1])
+        target.forward(block[:, :n_keep], cb)
+        _assert_same_caches(ca, cb)
+
+
+@pytest.mark.parametrize("fault", ["restore_state", "restore_conv", "trim_kv"])
+def test_broken_rollback_breaks_exactness(load, monkeypatch, fault):
+    """Mutation test: disabling any one part of the rollback makes MTP diverge from classic."""
+    loaded = load()
+    wants = {i: _classic(loaded, PROMPTS[i], 64) for i in (1, 2, 3)}
+    monkeypatch.setattr(target_mod, fault, lambda *a, **k: None)
+    diverged = any(_mtp(loaded, PROMPTS[i], 64, 3) != want for i, want in wants.items())
+    assert diverged, f"disabling {fault} went unnoticed"
+
+
+def test_eos_and_max_tokens_stop_both_engines(load):
+    loaded = load()
+    prompt = PROMPTS[1]
+    full = _classic(loaded, prompt, 40)
+    eos = full[17]
+    first = full.index(eos)
+    c = list(generate_classic(loaded.target, prompt, max_tokens=40, eos_ids=[eos]))
+    m = list(
+        generate_mtp(
+            loaded.target, loaded.drafter, prompt, block_size=4, max_tokens=40, eos_ids=[eos]
+        )
+    )
+    assert c == m == full[:first]
+    for n in (1, 2, 5):
+        assert _mtp(loaded, prompt, n, 4) == full[:n]

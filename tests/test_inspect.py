@@ -1,0 +1,65 @@
+"""``mtp inspect-weights`` tells the layouts apart from headers alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mtpcli.cli import run
+
+SHIFTED = {
+    "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+    "mtp.layers.0.input_layernorm.weight", "mtp.layers.0.post_attention_layernorm.weight",
+    "mtp.layers.0.self_attn.q_norm.weight", "mtp.layers.0.self_attn.k_norm.weight",
+}  # fmt: skip
+
+
+def _inspect(path, capsys) -> dict:
+    capsys.readouterr()
+    assert run(["inspect-weights", str(path), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_standalone_drafter(ckpts, capsys):
+    info = _inspect(ckpts.drafter(), capsys)
+    assert info["model_type"] == "qwen3_5_mtp"
+    assert info["layout"] == "standalone MLX drafter"
+    assert info["tensor_count"] == 15 and info["mtp_tensor_count"] == 0
+    assert info["norm_shift"] == [] and info["drafter_ok"] is True
+    assert info["block_size"] == 3
+
+
+def test_raw_checkpoint_with_mtp(ckpts, capsys):
+    info = _inspect(ckpts.target(layout="raw"), capsys)
+    assert info["layout"] == "raw checkpoint with MTP tensors"
+    assert info["mtp_tensor_count"] == 15
+    assert set(info["norm_shift"]) == SHIFTED
+    assert info["drafter_ok"] is False and "extract-drafter" in info["reason"]
+    assert info["mtp_claim_unbacked"] is False
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_mlx_target(ckpts, capsys, bits):
+    info = _inspect(ckpts.target(bits=bits), capsys)
+    assert info["layout"] == "MLX target (VLM layout)"
+    assert info["mtp_tensor_count"] == 0 and info["drafter_ok"] is False
+    # The config says mtp_num_hidden_layers: 1 but there are no MTP weights: say so.
+    assert info["config_mtp_layers"] == 1 and info["mtp_claim_unbacked"] is True
+    assert (info["quantization"] or {}).get("bits") == bits
+    assert ("U32" in info["dtypes"]) == (bits is not None)
+
+
+def test_table_output(ckpts, capsys):
+    capsys.readouterr()
+    assert run(["inspect-weights", str(ckpts.target(layout="raw"))]) == 0
+    out = capsys.readouterr().out
+    assert "raw checkpoint with MTP tensors" in out and "mtp.fc.weight" in out
+
+
+def test_reads_no_tensor_data(ckpts, tmp_path, capsys, monkeypatch):
+    """Headers only: mx.load is never called."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(mx, "load", lambda *a, **k: pytest.fail("tensor data was read"))
+    assert _inspect(ckpts.target(bits=4), capsys)["tensor_count"] > 0

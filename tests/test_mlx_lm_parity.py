@@ -1,0 +1,38 @@
+"""Our classic decoder gives mlx-lm's greedy tokens on the same checkpoint and prompt ids (CPU)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import load_model
+
+from mtpcli.config import load_config
+from mtpcli.engine.classic import generate_classic
+from mtpcli.models.qwen3_5 import load_target
+
+PROMPTS = [[7], [72, 101, 108, 108, 111, 32, 119], [(i * 13) % 250 for i in range(90)]]
+
+
+# mlx-lm cannot run an unquantized (bf16) MoE on MLX's CPU backend at all (gather_mm is
+# float32-only there); our loader upcasts those experts, so that pair has no mlx-lm reference.
+@pytest.mark.parametrize(
+    "moe,bits,layout,predictable",
+    [(False, None, "mlx", None), (False, 4, "mlx", None), (False, 8, "mlx", None),
+     (True, 4, "mlx", None), (False, None, "raw", None), (False, 4, "mlx", 0.45)],
+    ids=["bf16", "4bit", "8bit", "moe-4bit", "raw-bf16", "4bit-predictable"],
+)  # fmt: skip
+def test_classic_tokens_equal_mlx_lm_greedy(ckpts, moe, bits, layout, predictable):
+    path = ckpts.target(moe=moe, bits=bits, layout=layout, predictable=predictable, seed=3)
+    theirs_model, _ = load_model(path)
+    ours = load_target(path, load_config(path))
+    for prompt in PROMPTS:
+        want = [
+            int(t)
+            for t, _ in generate_step(
+                mx.array(prompt), theirs_model, max_tokens=40, sampler=make_sampler(0.0)
+            )
+        ]
+        got = list(generate_classic(ours, prompt, max_tokens=40))
+        assert got == want, prompt[:5]
