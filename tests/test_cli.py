@@ -6,6 +6,7 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from mtpcli.cli import run
 
@@ -53,9 +54,10 @@ def test_chat_template_and_system_prompt(capsys):
 
 
 def test_console_script_and_module_entry_points(tmp_path):
-    for argv in (["mtp", "--help"], [sys.executable, "-m", "mtpcli", "--help"]):
+    mtp = str(Path(sys.executable).parent / "mtp")  # the script installed beside this Python
+    for argv in ([mtp, "--help"], [sys.executable, "-m", "mtpcli", "--help"]):
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
         assert "generate" in out and "inspect-weights" in out and "bench" in out
-    bad = subprocess.run(["mtp", "generate", "-m", str(tmp_path / "nope"), "-p", "x"],
+    bad = subprocess.run([mtp, "generate", "-m", str(tmp_path / "nope"), "-p", "x"],
                          capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 1 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
