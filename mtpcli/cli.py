@@ -127,6 +127,12 @@ def generate(
         False, "--json", help="Print one JSON object instead of streaming."
     ),
     verbose: bool = typer.Option(False, "--verbose", help="Say what was loaded and decided."),
+    kernels: str = typer.Option(
+        "auto",
+        "--kernels",
+        envvar="MTP_KERNELS",
+        help="auto (native kernels after a self-check) | native | ops (reference only).",
+    ),  # fmt: skip
 ) -> None:
     """Generate text, with MTP speculative decoding when a drafter is given."""
     import mlx.core as mx
@@ -136,8 +142,10 @@ def generate(
     from .engine.mtp import generate_mtp
     from .engine.sampling import SamplingParams
     from .example import NOTE, ensure_example
+    from .kernels import set_mode
     from .loading import load_pair
 
+    set_mode(kernels)
     sampling = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     if draft_block_size is not None and not 2 <= draft_block_size <= 16:
         raise UsageError(f"--draft-block-size must be in [2, 16], got {draft_block_size}")

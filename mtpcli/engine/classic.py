@@ -27,19 +27,27 @@ def generate_classic(
     cache = target.make_cache()
     start = time.perf_counter()
     hidden = target.prefill(tokens, cache)
-    token = int(pick(target.lm_head(hidden[:, -1:])[0, -1], sampling).item())
+    y = pick(target.lm_head(hidden[:, -1:])[0, -1], sampling)
+    mx.eval(y)
     stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
     start = time.perf_counter()
     n = 0
     try:
-        while token not in eos and n < max_tokens:
+        while True:
+            # Queue the next step before reading this token, so the device never waits on Python.
+            if n + 1 < max_tokens:
+                out = target.forward(y.reshape(1, 1), cache)
+                y_next = pick(target.lm_head(out.hidden)[0, -1], sampling)
+                mx.async_eval(y_next)
+            token = int(y.item())
+            if token in eos:
+                return
             yield token
             n += 1
             stats.generation_tokens, stats.generation_s = n, time.perf_counter() - start
-            if n == max_tokens:
+            if n >= max_tokens:
                 return
-            out = target.forward(mx.array([[token]]), cache)
-            token = int(pick(target.lm_head(out.hidden)[0, -1], sampling).item())
+            y = y_next
     finally:
         stats.generation_s = time.perf_counter() - start
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9

@@ -1,1 +1,69 @@
-"""Compute kernels with an ops reference, per-backend builders, and one public entry each."""
+"""Compute kernels: an ops reference, a builder per backend, one public entry each.
+
+A native kernel is trusted only after it agrees with the ops reference on a small input in
+this process (per kernel and shape class); if it disagrees, a warning is given once and the
+reference is used. ``--kernels`` / ``MTP_KERNELS`` choose: ``auto`` (checked native where a
+backend has one), ``native`` (skip the check), ``ops`` (reference only).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from ..errors import UsageError
+
+MODES = ("auto", "native", "ops")
+_state: dict = {"mode": None, "verdicts": {}}
+
+
+def set_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise UsageError(f"--kernels must be one of {', '.join(MODES)}, got {mode!r}")
+    _state["mode"] = mode
+
+
+def mode() -> str:
+    if _state["mode"] is None:
+        set_mode(os.environ.get("MTP_KERNELS", "auto"))
+    return _state["mode"]
+
+
+def backend() -> str:
+    """'cuda', 'metal' or 'cpu': where the default device's kernels would run."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    return "cuda" if mx.cuda.is_available() else "cpu"
+
+
+def use_native(name: str, key: tuple, check: Callable[[], str | None]) -> bool:
+    """Whether to run kernel ``name`` for shape class ``key``; runs ``check`` once in auto mode.
+
+    ``check`` returns None when the native kernel agrees with the reference, else why not.
+    """
+    m = mode()
+    if m == "ops":
+        return False
+    if m == "native":
+        return True
+    verdicts = _state["verdicts"]
+    if (name, key) not in verdicts:
+        problem = check()
+        if problem:
+            warnings.warn(
+                f"{name} kernel disagrees with the ops reference for {key} ({problem}); "
+                "using the reference",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        verdicts[(name, key)] = problem is None
+    return verdicts[(name, key)]
+
+
+def reset_verdicts() -> None:
+    _state["verdicts"].clear()

@@ -1,14 +1,18 @@
 """The gated-delta recurrence of Qwen3.5's linear-attention layers, with per-step states.
 
 The verify pass needs the state after every position so that the rollback can restore the
-state after any accepted prefix without running the target again. ``gated_delta`` is the one
-public entry; today it runs the ops reference on every backend (native CUDA / Metal kernels
-plug in here behind a run-time self-check).
+state after any accepted prefix without running the target again. One launch runs all T steps
+of a block for all heads. Chain parity: step t of a T-step launch does exactly the arithmetic
+of a one-step launch, so T steps equal T one-step calls bitwise, and MTP equals classic on a
+backend as long as both use the same path (they do: ``gated_delta`` picks per shape class,
+not per T).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+from . import backend, use_native
 
 
 @mx.compile
@@ -35,13 +39,13 @@ def gated_delta_ops(
     state: mx.array,
     *,
     keep_states: bool = False,
-) -> tuple[mx.array, mx.array, list[mx.array] | None]:
+) -> tuple[mx.array, mx.array, mx.array | None]:
     """Ops reference: T sequential steps.
 
-    Shapes: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state [B, Hv, Dv, Dk].
-    Returns y [B, T, Hv, Dv], the final state, and (with ``keep_states``) the T states after
-    each step, each [B, Hv, Dv, Dk]. Position t reads only step t's inputs and state t-1, so a
-    T-step call equals T one-step calls bitwise.
+    Shapes: q, k [B, T, Hk, Dk] (q/k normalised, readout scale folded into q); v [B, T, Hv, Dv];
+    g, beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32.
+    Returns y [B, T, Hv, Dv], the final state, and (with ``keep_states``) the state after each
+    step, [T, B, Hv, Dv, Dk].
     """
     hk, hv = k.shape[2], v.shape[2]
     if hv > hk:
@@ -53,18 +57,201 @@ def gated_delta_ops(
         ys.append(y)
         if keep_states:
             states.append(state)
-    return mx.stack(ys, axis=1), state, (states if keep_states else None)
+    return mx.stack(ys, axis=1), state, (mx.stack(states) if keep_states else None)
 
 
-def gated_delta(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    g: mx.array,
-    beta: mx.array,
-    state: mx.array,
-    *,
-    keep_states: bool = False,
-) -> tuple[mx.array, mx.array, list[mx.array] | None]:
-    """Run the recurrence on the best available path (see ``gated_delta_ops`` for shapes)."""
+# One warp (CUDA) / SIMD-group (Metal) per value row: lane l holds Dk/32 state columns, the two
+# dot products are butterfly reductions over the 32 lanes in a fixed order. The Metal source
+# mirrors the CUDA source line by line.
+_CUDA_SOURCE = """
+    constexpr int NPT = Dk / 32;
+    const int lane = threadIdx.x;
+    const int dv = blockIdx.y * blockDim.y + threadIdx.y;
+    const int n = blockIdx.z;
+    const int b = n / Hv;
+    const int hv = n % Hv;
+    const int hk = hv / (Hv / Hk);
+    const InT* q_ = q + (size_t)b * T * Hk * Dk + hk * Dk + lane * NPT;
+    const InT* k_ = k + (size_t)b * T * Hk * Dk + hk * Dk + lane * NPT;
+    const InT* v_ = v + (size_t)b * T * Hv * Dv + hv * Dv + dv;
+    InT* y_ = y + (size_t)b * T * Hv * Dv + hv * Dv + dv;
+    const float* g_ = g + (size_t)b * T * Hv + hv;
+    const float* beta_ = beta + (size_t)b * T * Hv + hv;
+    const float* s_in = state_in + ((size_t)n * Dv + dv) * Dk + lane * NPT;
+    float s[NPT];
+    for (int i = 0; i < NPT; ++i) s[i] = s_in[i];
+    for (int t = 0; t < T; ++t) {
+      const float gt = g_[t * Hv];
+      const float bt = beta_[t * Hv];
+      float kv = 0.0f;
+      for (int i = 0; i < NPT; ++i) {
+        s[i] = s[i] * gt;
+        kv = kv + s[i] * static_cast<float>(k_[t * Hk * Dk + i]);
+      }
+      for (int off = 16; off > 0; off >>= 1) kv = kv + __shfl_xor_sync(0xffffffffu, kv, off);
+      const float delta = (static_cast<float>(v_[t * Hv * Dv]) - kv) * bt;
+      float o = 0.0f;
+      for (int i = 0; i < NPT; ++i) {
+        s[i] = s[i] + static_cast<float>(k_[t * Hk * Dk + i]) * delta;
+        o = o + s[i] * static_cast<float>(q_[t * Hk * Dk + i]);
+      }
+      for (int off = 16; off > 0; off >>= 1) o = o + __shfl_xor_sync(0xffffffffu, o, off);
+      if (lane == 0) y_[t * Hv * Dv] = static_cast<InT>(o);
+      if (KEEP) {
+        float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv) * Dk + lane * NPT;
+        for (int i = 0; i < NPT; ++i) s_t[i] = s[i];
+      }
+    }
+    float* s_out = state_out + ((size_t)n * Dv + dv) * Dk + lane * NPT;
+    for (int i = 0; i < NPT; ++i) s_out[i] = s[i];
+"""
+
+_METAL_SOURCE = """
+    constexpr int NPT = Dk / 32;
+    const int lane = thread_position_in_threadgroup.x;
+    const int dv = thread_position_in_grid.y;
+    const int n = thread_position_in_grid.z;
+    const int b = n / Hv;
+    const int hv = n % Hv;
+    const int hk = hv / (Hv / Hk);
+    device const InT* q_ = q + (size_t)b * T * Hk * Dk + hk * Dk + lane * NPT;
+    device const InT* k_ = k + (size_t)b * T * Hk * Dk + hk * Dk + lane * NPT;
+    device const InT* v_ = v + (size_t)b * T * Hv * Dv + hv * Dv + dv;
+    device InT* y_ = y + (size_t)b * T * Hv * Dv + hv * Dv + dv;
+    device const float* g_ = g + (size_t)b * T * Hv + hv;
+    device const float* beta_ = beta + (size_t)b * T * Hv + hv;
+    device const float* s_in = state_in + ((size_t)n * Dv + dv) * Dk + lane * NPT;
+    float s[NPT];
+    for (int i = 0; i < NPT; ++i) s[i] = s_in[i];
+    for (int t = 0; t < T; ++t) {
+      const float gt = g_[t * Hv];
+      const float bt = beta_[t * Hv];
+      float kv = 0.0f;
+      for (int i = 0; i < NPT; ++i) {
+        s[i] = s[i] * gt;
+        kv = kv + s[i] * static_cast<float>(k_[t * Hk * Dk + i]);
+      }
+      for (ushort off = 16; off > 0; off >>= 1) kv = kv + simd_shuffle_xor(kv, off);
+      const float delta = (static_cast<float>(v_[t * Hv * Dv]) - kv) * bt;
+      float o = 0.0f;
+      for (int i = 0; i < NPT; ++i) {
+        s[i] = s[i] + static_cast<float>(k_[t * Hk * Dk + i]) * delta;
+        o = o + s[i] * static_cast<float>(q_[t * Hk * Dk + i]);
+      }
+      for (ushort off = 16; off > 0; off >>= 1) o = o + simd_shuffle_xor(o, off);
+      if (lane == 0) y_[t * Hv * Dv] = static_cast<InT>(o);
+      if (KEEP) {
+        device float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv) * Dk + lane * NPT;
+        for (int i = 0; i < NPT; ++i) s_t[i] = s[i];
+      }
+    }
+    device float* s_out = state_out + ((size_t)n * Dv + dv) * Dk + lane * NPT;
+    for (int i = 0; i < NPT; ++i) s_out[i] = s[i];
+"""
+
+_INPUTS = ["q", "k", "v", "g", "beta", "state_in"]
+_kernels: dict = {}
+
+
+def _build_cuda(keep: bool):
+    if not mx.cuda.is_available():
+        return None
+    outputs = ["y", "state_out"] + (["states"] if keep else [])
+    return mx.fast.cuda_kernel(
+        name=f"mtp_gated_delta{'_keep' if keep else ''}",
+        input_names=_INPUTS,
+        output_names=outputs,
+        source=_CUDA_SOURCE,
+    )
+
+
+def _build_metal(keep: bool):
+    if not mx.metal.is_available():
+        return None
+    outputs = ["y", "state_out"] + (["states"] if keep else [])
+    return mx.fast.metal_kernel(
+        name=f"mtp_gated_delta{'_keep' if keep else ''}",
+        input_names=_INPUTS,
+        output_names=outputs,
+        source=_METAL_SOURCE,
+    )
+
+
+def _kernel(keep: bool):
+    key = (backend(), keep)
+    if key not in _kernels:
+        build = {"cuda": _build_cuda, "metal": _build_metal}.get(key[0])
+        _kernels[key] = build(keep) if build else None
+    return _kernels[key]
+
+
+def gated_delta_native(q, k, v, g, beta, state, *, keep_states: bool = False):
+    """The native kernel (same contract as ``gated_delta_ops``); None where there is none."""
+    kernel = _kernel(keep_states)
+    if kernel is None:
+        return None
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    shapes = [(B, T, Hv, Dv), (B, Hv, Dv, Dk)] + ([(T, B, Hv, Dv, Dk)] if keep_states else [])
+    out = kernel(
+        inputs=[q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state.astype(mx.float32)],
+        template=[
+            ("InT", q.dtype),
+            ("Dk", Dk),
+            ("Dv", Dv),
+            ("Hk", Hk),
+            ("Hv", Hv),
+            ("T", T),
+            ("B", B),
+            ("KEEP", keep_states),
+        ],  # fmt: skip
+        grid=(32, Dv, B * Hv),
+        threadgroup=(32, 4, 1),
+        output_shapes=shapes,
+        output_dtypes=[q.dtype] + [mx.float32] * (len(shapes) - 1),
+    )
+    return out[0], out[1], (out[2] if keep_states else None)
+
+
+def _self_check(dtype, hk: int, hv: int, dk: int, dv: int) -> str | None:
+    key = mx.random.key(1234)
+    kq, kk, kv, kg, kb, ks = mx.random.split(key, 6)
+    T = 3
+    q = (mx.random.normal((1, T, hk, dk), key=kq) * dk**-0.5).astype(dtype)
+    k = (mx.random.normal((1, T, hk, dk), key=kk) * dk**-0.5).astype(dtype)
+    v = mx.random.normal((1, T, hv, dv), key=kv).astype(dtype)
+    g = mx.random.uniform(0.5, 1.0, (1, T, hv), key=kg)
+    beta = mx.random.uniform(0.0, 1.0, (1, T, hv), key=kb)
+    state = mx.random.normal((1, hv, dv, dk), key=ks) * 0.1
+    try:
+        got = gated_delta_native(q, k, v, g, beta, state, keep_states=True)
+        want = gated_delta_ops(q, k, v, g, beta, state, keep_states=True)
+        mx.eval(got, want)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
+        return f"{type(e).__name__}: {e}"
+    tol = 1e-2 if dtype != mx.float32 else 1e-4
+    for name, a, b in zip(("y", "state", "states"), got, want, strict=True):
+        a, b = a.astype(mx.float32), b.astype(mx.float32)
+        if not mx.allclose(a, b, rtol=tol, atol=tol).item():
+            return f"{name} differs by up to {mx.abs(a - b).max().item():.3g}"
+    return None
+
+
+def gated_delta(q, k, v, g, beta, state, *, keep_states: bool = False):
+    """Run the recurrence on the best trusted path (see ``gated_delta_ops`` for shapes)."""
+    Hk, Dk, Hv, Dv = k.shape[2], k.shape[3], v.shape[2], v.shape[3]
+    if (
+        backend() != "cpu"
+        and Dk % 32 == 0
+        and Hv % Hk == 0
+        and Dv % 4 == 0
+        and use_native(
+            "gated_delta",
+            (backend(), str(q.dtype), Hk, Hv, Dk, Dv),
+            lambda: _self_check(q.dtype, Hk, Hv, Dk, Dv),
+        )
+    ):
+        out = gated_delta_native(q, k, v, g, beta, state, keep_states=keep_states)
+        if out is not None:
+            return out
     return gated_delta_ops(q, k, v, g, beta, state, keep_states=keep_states)

@@ -1,0 +1,79 @@
+"""Random-weight models of real shapes, built in memory, for speed measurements.
+
+Quantized weights are drawn directly as packed integers with small scales, so a 27B-shape
+4-bit model takes seconds to build and never exists in bf16.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .config import ModelConfig, TextConfig
+from .drafters.qwen3_5_mtp import Qwen35MTP, Qwen35MTPDrafter
+from .models.qwen3_5 import Qwen35Target, build_model
+
+SHAPES: dict[str, dict] = {
+    # Qwen3.8-27B (and Qwen3.5-27B): ../shared/reference/qwen3_5_mtp.md
+    "qwen3.8-27b": {
+        "hidden_size": 5120, "num_hidden_layers": 64, "intermediate_size": 17408,
+        "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+        "rms_norm_eps": 1e-6, "vocab_size": 248320, "linear_num_value_heads": 48,
+        "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+                            "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]},
+    },
+    # A small dense member of the family (Qwen3.5-2B-like).
+    "qwen3.5-small": {
+        "hidden_size": 2048, "num_hidden_layers": 24, "intermediate_size": 6144,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+        "rms_norm_eps": 1e-6, "vocab_size": 248320, "linear_num_value_heads": 16,
+        "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
+        "tie_word_embeddings": True,
+    },
+}  # fmt: skip
+
+
+def _randomize(module: nn.Module, bits: int | None, seed: int) -> None:
+    """Replace every parameter with random values of its shape, one layer at a time."""
+    for i, (name, p) in enumerate(tree_flatten(module.parameters())):
+        k = mx.random.key(seed * 1_000_003 + i)
+        if p.dtype == mx.uint32:
+            new = mx.random.randint(0, 2**31, p.shape, dtype=mx.uint32, key=k)
+        elif name.endswith("scales"):
+            new = mx.full(p.shape, 0.02 / 2 ** (bits or 4), dtype=mx.bfloat16)
+        elif name.endswith("biases"):
+            new = mx.full(p.shape, -0.01, dtype=mx.bfloat16)
+        elif p.ndim == 1 or name.endswith("A_log"):
+            new = p.astype(mx.float32 if name.endswith("A_log") else mx.bfloat16)
+        else:
+            scale = p.shape[-1] ** -0.5
+            new = (mx.random.normal(p.shape, key=k) * scale).astype(mx.bfloat16)
+        _set(module, name, new)
+        mx.eval(new)
+
+
+def _set(module: nn.Module, dotted: str, value: mx.array) -> None:
+    *path, leaf = dotted.split(".")
+    obj = module
+    for part in path:
+        obj = obj[int(part)] if isinstance(obj, list) else getattr(obj, part)
+    obj[leaf] = value
+
+
+def build(name: str, bits: int | None = 4, group_size: int = 64, seed: int = 0):
+    """A (target, drafter) pair of shape ``name`` with random weights; bits None = bf16."""
+    text = dict(SHAPES[name], model_type="qwen3_5_text")
+    cfg = ModelConfig("qwen3_5", TextConfig.from_dict(text, "qwen3_5"), None, (), None, True)
+    model = build_model(cfg)
+    if bits:
+        nn.quantize(model, group_size=group_size, bits=bits)
+    _randomize(model, bits, seed)
+    target = Qwen35Target(model, cfg)
+    dcfg = ModelConfig("qwen3_5_mtp", cfg.text, None, (), 3, True)
+    module = Qwen35MTP(dcfg)
+    _randomize(module, None, seed + 1)
+    return target, Qwen35MTPDrafter(module, dcfg, target.embed_tokens)

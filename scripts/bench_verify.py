@@ -1,0 +1,313 @@
+"""Verify-cost table, per-op breakdown and classic decode speed on a random-weight model.
+
+    python scripts/bench_verify.py --shape qwen3.8-27b --bits 4 --out docs/benchmark_results
+
+Measures, on whatever device MLX runs on: the forward cost of T = 1, 2, 3, 4, 8 tokens after a
+prompt through the verify path and the plain prefill path; a per-op breakdown (gated-delta
+recurrence, attention, matmuls, rest); the gated-delta recurrence alone (our kernel against the
+ops loop mlx-lm runs off Apple GPUs); which ops are row-invariant here; and classic decode tok/s,
+ours against mlx-lm's generate_step, on the same weights in the same run. Medians over repeats,
+with min-max. Writes <out>/<name>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtpcli import kernels, synthetic
+from mtpcli.engine.classic import generate_classic
+from mtpcli.kernels import gated_delta as gd
+from mtpcli.models import qwen3_5 as tm
+
+TS = (1, 2, 3, 4, 8)
+
+
+def timed(fn, repeats: int, warmup: int = 2) -> dict:
+    for _ in range(warmup):
+        fn()
+    mx.synchronize()
+    ms = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        mx.synchronize()
+        ms.append((time.perf_counter() - t0) * 1000)
+    return {"median": statistics.median(ms), "min": min(ms), "max": max(ms), "n": repeats}
+
+
+def _snapshot(cache):
+    return [c.offset if hasattr(c, "offset") else list(c.cache) for c in cache]
+
+
+def _restore(cache, saved):
+    for c, s in zip(cache, saved, strict=True):
+        if hasattr(c, "offset"):
+            c.offset = s
+        else:
+            c.cache = list(s)
+
+
+def forward_cost(target, cache, T: int, verify: bool, repeats: int) -> dict:
+    x = mx.random.randint(0, 1000, (1, T))
+    saved = _snapshot(cache)
+
+    def run():
+        out = target.forward(x, cache, verify=verify)
+        logits = target.lm_head(out.hidden, rowwise=verify and target.rowwise)
+        mx.eval(logits, tm.cache_arrays(cache))
+        _restore(cache, saved)
+
+    return timed(run, repeats)
+
+
+def gated_delta_alone(T: int, native: bool, repeats: int, layers: int = 48) -> dict:
+    B, hk, hv, dk, dv = 1, 16, 48, 128, 128
+    q = mx.random.normal((B, T, hk, dk)).astype(mx.bfloat16) * dk**-0.5
+    k = mx.random.normal((B, T, hk, dk)).astype(mx.bfloat16) * dk**-0.5
+    v = mx.random.normal((B, T, hv, dv)).astype(mx.bfloat16)
+    g = mx.random.uniform(0.5, 1.0, (B, T, hv))
+    beta = mx.random.uniform(0.0, 1.0, (B, T, hv)).astype(mx.bfloat16)
+    states = [mx.random.normal((B, hv, dv, dk)) * 0.1 for _ in range(layers)]
+    mx.eval(q, k, v, g, beta, states)
+    if native and gd.gated_delta_native(q, k, v, g, beta, states[0]) is None:
+        return {}
+    fn = gd.gated_delta_native if native else gd.gated_delta_ops
+
+    def run():
+        mx.eval([fn(q, k, v, g, beta, s, keep_states=T > 1) for s in states])
+
+    return timed(run, repeats)
+
+
+def leave_out(target, cache, T: int, repeats: int, what: str) -> dict:
+    """Forward cost with one part replaced by a stub of the right shape (for differences)."""
+    if what == "gated_delta":
+        original, name = tm.gated_delta, "gated_delta"
+
+        def stub(q, k, v, g, beta, state, *, keep_states=False):
+            y = mx.zeros((*v.shape[:2], v.shape[2], v.shape[3]), v.dtype)
+            states = mx.broadcast_to(state, (q.shape[1], *state.shape)) if keep_states else None
+            return y, state, states
+    else:
+        original, name = tm._attention_layer, "_attention_layer"
+
+        def stub(m, x, mask, c, rowwise):
+            if c is not None:
+                c.update_and_fetch(*(mx.zeros((1, m.num_key_value_heads, x.shape[1], m.head_dim),
+                                              x.dtype),) * 2)  # fmt: skip
+            return mx.zeros_like(x)
+
+    setattr(tm, name, stub)
+    try:
+        return forward_cost(target, cache, T, True, repeats)
+    finally:
+        setattr(tm, name, original)
+
+
+def matmul_costs(target, T: int, repeats: int, rowwise: bool) -> dict:
+    """Every linear of one forward at M = T rows (batched, or one row at a time)."""
+    linears = [m for _, m in target.model.named_modules()
+               if isinstance(m, (nn.Linear, nn.QuantizedLinear))]  # fmt: skip
+    x_by_dim = {}
+    for m in linears:
+        d = m.weight.shape[1] * (32 // m.bits if isinstance(m, nn.QuantizedLinear) else 1)
+        x_by_dim.setdefault(d, mx.random.normal((1, T, d)).astype(mx.bfloat16))
+    mx.eval(list(x_by_dim.values()))
+
+    def run():
+        outs = []
+        for m in linears:
+            d = m.weight.shape[1] * (32 // m.bits if isinstance(m, nn.QuantizedLinear) else 1)
+            outs.append(tm.rows(m, x_by_dim[d], rowwise))
+        mx.eval(outs)
+
+    return timed(run, repeats)
+
+
+def row_invariance(bits) -> dict:
+    """Are batched rows bitwise equal to single-row results here? (The exactness question.)"""
+    out = {}
+    lin = nn.Linear(5120, 17408, bias=False)
+    lin.set_dtype(mx.bfloat16)
+    layers = {"bf16 linear": lin, "4-bit linear": nn.QuantizedLinear.from_linear(lin, 64, 4),
+              "8-bit linear": nn.QuantizedLinear.from_linear(lin, 64, 8)}  # fmt: skip
+    x = mx.random.normal((1, 8, 5120)).astype(mx.bfloat16)
+    for name, layer in layers.items():
+        single = [layer(x[:, t : t + 1]) for t in range(8)]
+        out[name] = {
+            M: all(
+                mx.array_equal(layer(x[:, :M])[:, t : t + 1], single[t]).item() for t in range(M)
+            )
+            for M in range(2, 9)
+        }
+    q = mx.random.normal((1, 24, 4, 256)).astype(mx.bfloat16)
+    kv = mx.random.normal((1, 4, 68, 256)).astype(mx.bfloat16)
+    full = mx.fast.scaled_dot_product_attention(q, kv, kv, scale=0.06, mask="causal")
+    per = [
+        mx.fast.scaled_dot_product_attention(
+            q[:, :, t : t + 1], kv[:, :, : 65 + t], kv[:, :, : 65 + t], scale=0.06
+        )
+        for t in range(4)
+    ]
+    out["sdpa causal T=4"] = mx.array_equal(full, mx.concatenate(per, axis=2)).item()
+    return out
+
+
+def classic_tps(target, prompt, n: int, repeats: int) -> dict:
+    from mlx_lm.generate import generate_step
+
+    def ours():
+        gen = generate_classic(target, prompt, max_tokens=n)
+        next(gen)
+        t0 = time.perf_counter()
+        k = 1 + sum(1 for _ in gen)
+        return (k - 1) / (time.perf_counter() - t0)
+
+    def theirs():
+        gen = generate_step(mx.array(prompt), target.model, max_tokens=n)
+        next(gen)
+        t0 = time.perf_counter()
+        k = 1 + sum(1 for _ in gen)
+        return (k - 1) / (time.perf_counter() - t0)
+
+    res = {}
+    for name, fn in (("ours", ours), ("mlx_lm", theirs)):
+        fn()  # warm-up (kernel compilation)
+        vals = [fn() for _ in range(repeats)]
+        res[name] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="qwen3.8-27b", choices=sorted(synthetic.SHAPES))
+    ap.add_argument("--bits", type=int, default=4, help="4, 8, or 16 (bf16)")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--name", default=None)
+    ap.add_argument("--quick", action="store_true", help="skip the breakdown and decode runs")
+    args = ap.parse_args()
+
+    load_before = os.getloadavg()
+    t0 = time.time()
+    bits = None if args.bits == 16 else args.bits
+    target, _ = synthetic.build(args.shape, bits=bits)
+    print(f"built {args.shape} {args.bits}-bit in {time.time() - t0:.1f}s", flush=True)
+    prompt = mx.random.randint(0, 1000, (1, args.prompt_tokens))
+    cache = target.make_cache()
+    target.prefill(prompt, cache)
+    mx.eval(tm.cache_arrays(cache))
+    res: dict = {
+        "device": _device(), "shape": args.shape, "bits": args.bits, "kernels": kernels.mode(),
+        "rowwise_verify": target.rowwise, "prompt_tokens": args.prompt_tokens,
+        "mlx": mx.__version__, "python": platform.python_version(),
+    }  # fmt: skip
+    res["verify_ms"] = {T: forward_cost(target, cache, T, True, args.repeats) for T in TS}
+    print("verify", {T: round(v["median"], 2) for T, v in res["verify_ms"].items()}, flush=True)
+    res["prefill_ms"] = {T: forward_cost(target, cache, T, False, args.repeats) for T in TS}
+    print("prefill", {T: round(v["median"], 2) for T, v in res["prefill_ms"].items()}, flush=True)
+    res["ms"] = {T: v["median"] for T, v in res["verify_ms"].items()}
+    res["ratio"] = {T: res["ms"][T] / res["ms"][1] for T in TS}
+    res["gated_delta_48_layers_ms"] = {
+        "native": {T: gated_delta_alone(T, True, args.repeats) for T in TS},
+        "ops": {T: gated_delta_alone(T, False, args.repeats) for T in TS},
+    }
+    print("gated delta", json.dumps(res["gated_delta_48_layers_ms"], default=str)[:400], flush=True)
+    if not args.quick:
+        res["row_invariance"] = row_invariance(bits)
+        print("row invariance", res["row_invariance"], flush=True)
+        res["breakdown_ms"] = {}
+        for T in (1, 3, 4):
+            no_gd = leave_out(target, cache, T, args.repeats, "gated_delta")["median"]
+            no_attn = leave_out(target, cache, T, args.repeats, "attention")["median"]
+            mm = matmul_costs(target, T, args.repeats, target.rowwise and T > 1)["median"]
+            mm_batched = matmul_costs(target, T, args.repeats, False)["median"]
+            total = res["ms"][T]
+            res["breakdown_ms"][T] = {
+                "total": total, "gated_delta": total - no_gd, "attention": total - no_attn,
+                "matmuls": mm, "matmuls_if_batched": mm_batched,
+                "rest": total - (total - no_gd) - (total - no_attn) - mm,
+            }  # fmt: skip
+        print("breakdown", json.dumps(res["breakdown_ms"])[:600], flush=True)
+        ids = prompt[0].tolist()
+        res["classic_tps"] = classic_tps(target, ids, args.decode_tokens, 3)
+        res["mlx_lm_ms"] = {"decode_T1": 1000 / res["classic_tps"]["mlx_lm"]["median"]}
+        print("classic tok/s", res["classic_tps"], flush=True)
+    res["load_before"], res["load_after"] = load_before, os.getloadavg()
+    if args.out:
+        name = args.name or f"verify_{args.shape}_{args.bits}bit"
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+        (args.out / f"{name}.md").write_text(_markdown(res, args))
+    print(_markdown(res, args))
+
+
+def _device() -> str:
+    if mx.default_device() == mx.cpu:
+        return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    try:
+        info = mx.device_info()
+        return str(info.get("device_name", info))
+    except Exception:  # noqa: BLE001 - informational only
+        return "gpu"
+
+
+def _markdown(res: dict, args) -> str:
+    def cell(d):
+        return f"{d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f})" if d else "-"
+
+    lines = [
+        f"# Verify cost: {res['shape']}, {res['bits']}-bit, random weights",
+        "",
+        f"Device: {res['device']}; MLX {res['mlx']}; kernels {res['kernels']}; "
+        f"verify row by row: {res['rowwise_verify']}; load before/after "
+        f"{tuple(round(x, 2) for x in res['load_before'])} / "
+        f"{tuple(round(x, 2) for x in res['load_after'])}.",
+        "",
+        f"Command: `python scripts/bench_verify.py --shape {args.shape} --bits {args.bits} "
+        f"--repeats {args.repeats}`. Times in ms, median (min-max) of {args.repeats}; "
+        f"forward of T tokens after a {res['prompt_tokens']}-token prompt, LM head included.",
+        "",
+        "| T | verify path | plain prefill path | verify / T=1 | gated delta x48, ours | "
+        "gated delta x48, ops loop (mlx-lm off Apple GPUs) |",
+        "|---|---|---|---|---|---|",
+    ]
+    gdn = res["gated_delta_48_layers_ms"]
+    for T in TS:
+        lines.append(
+            f"| {T} | {cell(res['verify_ms'][T])} | {cell(res['prefill_ms'][T])} | "
+            f"{res['ratio'][T]:.2f} | {cell(gdn['native'][T])} | {cell(gdn['ops'][T])} |"
+        )
+    if "breakdown_ms" in res:
+        lines += ["", "Per-op breakdown of the verify path (ms; gated delta and attention by "
+                  "leaving each out, matmuls timed alone):", "",
+                  "| T | total | gated delta | attention | matmuls | matmuls if batched | rest |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for T, b in res["breakdown_ms"].items():
+            lines.append(
+                f"| {T} | {b['total']:.2f} | {b['gated_delta']:.2f} | {b['attention']:.2f} | "
+                f"{b['matmuls']:.2f} | {b['matmuls_if_batched']:.2f} | {b['rest']:.2f} |"
+            )
+        c = res["classic_tps"]
+        lines += ["", f"Classic decode, {args.decode_tokens} tokens, median (min-max) of 3: "
+                  f"ours {c['ours']['median']:.2f} ({c['ours']['min']:.2f}-{c['ours']['max']:.2f}) "
+                  f"tok/s, mlx-lm generate_step {c['mlx_lm']['median']:.2f} "
+                  f"({c['mlx_lm']['min']:.2f}-{c['mlx_lm']['max']:.2f}) tok/s, same weights, "
+                  f"same run: {c['ours']['median'] / c['mlx_lm']['median']:.2f}x.",
+                  "", f"Row invariance here: {res['row_invariance']}"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

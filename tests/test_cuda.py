@@ -1,0 +1,56 @@
+"""Temperature-0 exactness on MLX's CUDA backend, at the real head dimensions (Dk = Dv = 128,
+head_dim 256), through the native gated-delta kernel. Skips cleanly without CUDA; the CPU runs
+the same contract in test_exactness.py."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mtpcli import kernels
+from mtpcli.engine.classic import generate_classic
+from mtpcli.engine.mtp import generate_mtp
+from mtpcli.fixtures import tiny_text_config, write_drafter, write_target
+from mtpcli.loading import load_pair
+
+pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+
+MID = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 256,
+       "linear_num_key_heads": 4, "linear_num_value_heads": 12, "linear_key_head_dim": 128,
+       "linear_value_head_dim": 128, "intermediate_size": 512, "vocab_size": 512}  # fmt: skip
+PROMPTS = [[7], [72, 101, 108, 108, 111], [(i * 37) % 250 for i in range(70)]]
+
+
+@pytest.fixture(scope="module", params=[None, 4], ids=["bf16", "4bit"])
+def pair(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"cuda-{request.param}")
+    text = tiny_text_config(**MID)
+    t = write_target(root / "t", text, bits=request.param, predictable=0.45, group_size=64)
+    d = write_drafter(root / "d", text, predictable=0.45)
+    return load_pair(str(t), str(d))
+
+
+def test_native_kernel_is_in_use(pair):
+    kernels.reset_verdicts()
+    list(generate_classic(pair.target, [1, 2, 3], max_tokens=2))
+    assert kernels._state["verdicts"] and all(kernels._state["verdicts"].values())
+
+
+@pytest.mark.parametrize("block", [2, 3, 4, 8])
+def test_mtp_equals_classic_on_cuda(pair, block):
+    for prompt in PROMPTS:
+        want = list(generate_classic(pair.target, prompt, max_tokens=40))
+        got = list(generate_mtp(pair.target, pair.drafter, prompt, block_size=block, max_tokens=40))
+        assert got == want
+
+
+def test_block_forward_equals_single_steps_on_cuda(pair):
+    target = pair.target
+    prompt, block = mx.array([[5, 6, 7, 8]]), mx.array([[11, 12, 13, 14]])
+    ca, cb = target.make_cache(), target.make_cache()
+    target.prefill(prompt, ca)
+    target.prefill(prompt, cb)
+    out = target.forward(block, ca, verify=True)
+    lb = target.lm_head(out.hidden, rowwise=target.rowwise)
+    singles = [target.lm_head(target.forward(block[:, t : t + 1], cb).hidden) for t in range(4)]
+    assert mx.array_equal(lb, mx.concatenate(singles, axis=1)).item()

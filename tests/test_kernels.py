@@ -1,0 +1,131 @@
+"""Gated-delta kernels: the reference's chain parity on CPU, the native kernel on CUDA, and the
+run-time self-check that keeps a wrong native kernel from ever being used."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mtpcli import kernels
+from mtpcli.errors import UsageError
+from mtpcli.kernels import gated_delta as gd
+
+cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+
+
+def _inputs(T=5, B=1, hk=2, hv=4, dk=32, dv=16, dtype=mx.bfloat16, seed=0):
+    ks = mx.random.split(mx.random.key(seed), 6)
+    q = (mx.random.normal((B, T, hk, dk), key=ks[0]) * dk**-0.5).astype(dtype)
+    k = (mx.random.normal((B, T, hk, dk), key=ks[1]) * dk**-0.5).astype(dtype)
+    v = mx.random.normal((B, T, hv, dv), key=ks[2]).astype(dtype)
+    g = mx.random.uniform(0.3, 1.0, (B, T, hv), key=ks[3])
+    beta = mx.random.uniform(0.0, 1.0, (B, T, hv), key=ks[4]).astype(dtype)
+    state = mx.random.normal((B, hv, dv, dk), key=ks[5]) * 0.1
+    return q, k, v, g, beta, state
+
+
+def _chain(fn, q, k, v, g, beta, state):
+    ys, states = [], []
+    for t in range(q.shape[1]):
+        y, state, _ = fn(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1],
+                         beta[:, t : t + 1], state)  # fmt: skip
+        ys.append(y)
+        states.append(state)
+    return mx.concatenate(ys, axis=1), state, mx.stack(states)
+
+
+def _bitwise(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_reference_block_equals_chain_of_single_steps(dtype):
+    args = _inputs(dtype=dtype)
+    y, final, states = gd.gated_delta_ops(*args, keep_states=True)
+    cy, cfinal, cstates = _chain(gd.gated_delta_ops, *args)
+    assert _bitwise(y, cy) and _bitwise(final, cfinal) and _bitwise(states, cstates)
+    assert states.shape == (5, 1, 4, 16, 32) and _bitwise(states[-1], final)
+
+
+def test_reference_matches_a_float64_recurrence():
+    import numpy as np
+
+    q, k, v, g, beta, state = _inputs(dtype=mx.float32, T=4)
+    y, final, _ = gd.gated_delta_ops(q, k, v, g, beta, state)
+    Q, K = (np.repeat(np.array(a, np.float64), 2, axis=2) for a in (q, k))  # Hk -> Hv heads
+    V = np.array(v, np.float64)
+    G, Bt, S = np.array(g, np.float64), np.array(beta, np.float64), np.array(state, np.float64)
+    ys = []
+    for t in range(4):
+        S = S * G[:, t, :, None, None]
+        kv = (S * K[:, t, :, None, :]).sum(-1)
+        S = S + K[:, t, :, None, :] * ((V[:, t] - kv) * Bt[:, t, :, None])[..., None]
+        ys.append((S * Q[:, t, :, None, :]).sum(-1))
+    assert np.allclose(np.stack(ys, 1), np.array(y), rtol=1e-4, atol=1e-5)
+    assert np.allclose(S, np.array(final), rtol=1e-4, atol=1e-5)
+
+
+def test_mode_switch_is_validated(monkeypatch):
+    with pytest.raises(UsageError):
+        kernels.set_mode("fast")
+    monkeypatch.setitem(kernels._state, "mode", None)
+    monkeypatch.setenv("MTP_KERNELS", "ops")
+    assert kernels.mode() == "ops"
+
+
+def test_wrong_native_kernel_is_caught_and_replaced(monkeypatch):
+    """A native kernel that disagrees with the reference is never used: warn, fall back."""
+    monkeypatch.setitem(kernels._state, "mode", "auto")
+    kernels.reset_verdicts()
+    monkeypatch.setattr(gd, "backend", lambda: "cuda")
+
+    def broken(q, k, v, g, beta, state, *, keep_states=False):
+        y, s, ss = gd.gated_delta_ops(q, k, v, g, beta, state, keep_states=keep_states)
+        return y * 1.5, s, ss
+
+    monkeypatch.setattr(gd, "gated_delta_native", broken)
+    args = _inputs()
+    with pytest.warns(RuntimeWarning, match="disagrees with the ops reference"):
+        y, _, _ = gd.gated_delta(*args)
+    assert _bitwise(y, gd.gated_delta_ops(*args)[0])
+    kernels.reset_verdicts()
+
+
+def test_agreeing_native_kernel_is_used(monkeypatch):
+    monkeypatch.setitem(kernels._state, "mode", "auto")
+    kernels.reset_verdicts()
+    monkeypatch.setattr(gd, "backend", lambda: "cuda")
+    calls = []
+
+    def native(*a, **kw):
+        calls.append(1)
+        return gd.gated_delta_ops(*a, **kw)
+
+    monkeypatch.setattr(gd, "gated_delta_native", native)
+    gd.gated_delta(*_inputs())
+    assert len(calls) == 2  # the self-check, then the real call
+    kernels.reset_verdicts()
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("shape", [(2, 4, 32, 16), (16, 48, 128, 128)], ids=["tiny", "27b"])
+def test_cuda_kernel_matches_reference(dtype, shape):
+    hk, hv, dk, dv = shape
+    args = _inputs(T=4, hk=hk, hv=hv, dk=dk, dv=dv, dtype=dtype, seed=3)
+    got = gd.gated_delta_native(*args, keep_states=True)
+    want = gd.gated_delta_ops(*args, keep_states=True)
+    tol = 1e-4 if dtype == mx.float32 else 2e-2
+    for a, b in zip(got, want, strict=True):
+        assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), rtol=tol, atol=tol).item()
+
+
+@cuda
+@pytest.mark.parametrize("T", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_cuda_kernel_chain_parity(T, dtype):
+    """T steps in one launch == T one-step launches, bitwise (outputs and every state)."""
+    args = _inputs(T=T, hk=16, hv=48, dk=128, dv=128, dtype=dtype, seed=T)
+    y, final, states = gd.gated_delta_native(*args, keep_states=True)
+    cy, cfinal, cstates = _chain(lambda *a: gd.gated_delta_native(*a), *args)
+    assert _bitwise(y, cy) and _bitwise(final, cfinal) and _bitwise(states, cstates)
