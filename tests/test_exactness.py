@@ -98,7 +98,7 @@ def test_block_forward_equals_single_steps(load):
     target.prefill(prompt, ca)
     target.prefill(prompt, cb)
     out = target.forward(block, ca, verify=True)
-    logits_block = target.lm_head(out.hidden, rowwise=target.rowwise)
+    logits_block = target.lm_head(out.hidden, exact=True)
     singles = []
     for t in range(block.shape[1]):
         singles.append(target.lm_head(target.forward(block[:, t : t + 1], cb).hidden))
@@ -107,7 +107,7 @@ def test_block_forward_equals_single_steps(load):
 
 
 def test_rollback_restores_exact_state(load):
-    """After verify + rollback to n, the caches equal those of a run that only saw n positions."""
+    """After verify + rollback to n, the caches equal those of n decode steps."""
     target = load().target
     prompt, block = mx.array([[3, 1, 4, 1, 5]]), mx.array([[9, 2, 6, 5]])
     for n_keep in range(1, 5):
@@ -116,8 +116,33 @@ def test_rollback_restores_exact_state(load):
         target.prefill(prompt, cb)
         out = target.forward(block, ca, verify=True)
         target_mod.rollback(ca, out.traces, n_keep, block.shape[1])
-        target.forward(block[:, :n_keep], cb)
+        for t in range(n_keep):
+            target.forward(block[:, t : t + 1], cb)
         _assert_same_caches(ca, cb)
+
+
+def test_row_policy_catches_an_op_that_is_not_row_invariant(load, monkeypatch):
+    """An op whose batched rows differ from single rows is run row by row in a verify."""
+    from mtpcli.models.qwen3_5 import RowPolicy
+
+    target = load().target
+    mlp = target.layers[0].mlp
+    original = type(mlp).__call__
+
+    def skewed(self, x):  # like a kernel that switches algorithm with the row count
+        out = original(self, x)
+        return out + 1e-2 * (x.shape[1] > 1) if self is mlp else out
+
+    monkeypatch.setattr(type(mlp), "__call__", skewed)
+    monkeypatch.setattr(target, "policy", RowPolicy())
+    prompt = PROMPTS[3]
+    want = _classic(load(), prompt, 48)
+    assert _mtp(load(), prompt, 48, 4) == want
+    verdicts = target.policy.verdicts
+    assert any(not ok for key, ok in verdicts.items() if key[0][0] == type(mlp).__name__)
+    # Without the policy (batched everywhere), the same op breaks exactness.
+    monkeypatch.setattr(RowPolicy, "choose", lambda self, key, batched, single: batched())
+    assert _mtp(load(), prompt, 48, 4) != want
 
 
 @pytest.mark.parametrize("fault", ["restore_state", "restore_conv", "trim_kv"])

@@ -81,7 +81,7 @@ def generate_mtp(
             drafts, q = draft(drafter, target, ctx_tokens, ctx_hidden, dcache, k, sampling)
             t1 = time.perf_counter()
             out = target.forward(mx.array([[pending, *drafts]]), tcache, verify=True)
-            logits = target.lm_head(out.hidden, rowwise=target.rowwise)[0]  # [k+1, V]
+            logits = target.lm_head(out.hidden, exact=True)[0]  # [k+1, V]
             if sampling.greedy:
                 targets = greedy(logits).tolist()
                 n_acc = accept_greedy(drafts, targets)

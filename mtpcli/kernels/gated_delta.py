@@ -97,10 +97,7 @@ _CUDA_SOURCE = """
       }
       for (int off = 16; off > 0; off >>= 1) o = o + __shfl_xor_sync(0xffffffffu, o, off);
       if (lane == 0) y_[t * Hv * Dv] = static_cast<InT>(o);
-      if (KEEP) {
-        float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv) * Dk + lane * NPT;
-        for (int i = 0; i < NPT; ++i) s_t[i] = s[i];
-      }
+      KEEP_STATES
     }
     float* s_out = state_out + ((size_t)n * Dv + dv) * Dk + lane * NPT;
     for (int i = 0; i < NPT; ++i) s_out[i] = s[i];
@@ -140,15 +137,22 @@ _METAL_SOURCE = """
       }
       for (ushort off = 16; off > 0; off >>= 1) o = o + simd_shuffle_xor(o, off);
       if (lane == 0) y_[t * Hv * Dv] = static_cast<InT>(o);
-      if (KEEP) {
-        device float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv) * Dk + lane * NPT;
-        for (int i = 0; i < NPT; ++i) s_t[i] = s[i];
-      }
+      KEEP_STATES
     }
     device float* s_out = state_out + ((size_t)n * Dv + dv) * Dk + lane * NPT;
     for (int i = 0; i < NPT; ++i) s_out[i] = s[i];
 """
 
+# Only the keep-states variant has the ``states`` output [T, B, Hv, Dv, Dk]: the store after
+# each step is spliced in, so both variants run the same arithmetic.
+_KEEP_CUDA = """{
+        float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv) * Dk + lane * NPT;
+        for (int i = 0; i < NPT; ++i) s_t[i] = s[i];
+      }"""
+_KEEP_METAL = """{
+        device float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv) * Dk + lane * NPT;
+        for (int i = 0; i < NPT; ++i) s_t[i] = s[i];
+      }"""
 _INPUTS = ["q", "k", "v", "g", "beta", "state_in"]
 _kernels: dict = {}
 
@@ -161,7 +165,7 @@ def _build_cuda(keep: bool):
         name=f"mtp_gated_delta{'_keep' if keep else ''}",
         input_names=_INPUTS,
         output_names=outputs,
-        source=_CUDA_SOURCE,
+        source=_CUDA_SOURCE.replace("KEEP_STATES", _KEEP_CUDA if keep else ""),
     )
 
 
@@ -173,7 +177,7 @@ def _build_metal(keep: bool):
         name=f"mtp_gated_delta{'_keep' if keep else ''}",
         input_names=_INPUTS,
         output_names=outputs,
-        source=_METAL_SOURCE,
+        source=_METAL_SOURCE.replace("KEEP_STATES", _KEEP_METAL if keep else ""),
     )
 
 
@@ -203,7 +207,6 @@ def gated_delta_native(q, k, v, g, beta, state, *, keep_states: bool = False):
             ("Hv", Hv),
             ("T", T),
             ("B", B),
-            ("KEEP", keep_states),
         ],  # fmt: skip
         grid=(32, Dv, B * Hv),
         threadgroup=(32, 4, 1),

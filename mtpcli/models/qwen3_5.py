@@ -3,8 +3,8 @@
 Parameters and checkpoint names are mlx-lm's (``mlx_lm.models.qwen3_5``); the forward is ours,
 so that the classic decoder and the MTP verify compute every position with the same arithmetic,
 and so that a verify pass keeps what the rollback needs (per-step gated-delta states and the
-conv inputs). Row-invariance: on a backend where a batched op is not bitwise equal per row,
-``rowwise`` computes the verify block one position at a time.
+conv inputs). Row invariance: a verify block runs an op batched only where this backend gives
+each row bitwise the single-position result; ``RowPolicy`` finds that out per op class.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3_5, qwen3_5_moe
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, KVCache
@@ -32,7 +33,7 @@ class GatedDeltaTrace:
     """What one verify pass left behind in one gated-delta layer, for the rollback."""
 
     conv_input: mx.array  # [B, K-1+T, C]: the old conv window followed by the T new inputs
-    states: list[mx.array]  # T x [B, Hv, Dv, Dk]: the recurrent state after each position
+    states: mx.array  # [T, B, Hv, Dv, Dk]: the recurrent state after each position
 
 
 @dataclass
@@ -41,35 +42,71 @@ class ForwardOut:
     traces: list[GatedDeltaTrace | None] | None  # per layer (None for attention layers)
 
 
-def rows(fn: Callable[[mx.array], mx.array], x: mx.array, rowwise: bool) -> mx.array:
-    """Apply ``fn`` to x [B, T, ...] as a whole, or one position at a time."""
-    if not rowwise or x.shape[1] == 1:
-        return fn(x)
-    return mx.concatenate([fn(x[:, t : t + 1]) for t in range(x.shape[1])], axis=1)
+class RowPolicy:
+    """Run a verify block's op batched only where that is bitwise the one-position result.
+
+    The first time an op class (its parameter shapes and dtypes, T, input dtype) meets a
+    block, both ways are computed, the one-position result is used, and the comparison is
+    remembered. MLX's CPU backend turns out row-invariant throughout; on CUDA, bf16 matmuls
+    are not, while the quantized ones are for up to 7 rows (measured, docs/design.md).
+    """
+
+    def __init__(self) -> None:
+        self.verdicts: dict[tuple, bool] = {}
+        self._sigs: dict[int, tuple] = {}  # id(module) -> (module, signature)
+
+    def signature(self, module) -> tuple:
+        entry = self._sigs.get(id(module))
+        if entry is None:
+            params = tree_flatten(module.parameters())
+            shapes = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in params)
+            # The module is kept in the entry, so its id cannot be reused while cached.
+            entry = (module, (type(module).__name__, getattr(module, "bits", None), shapes))
+            self._sigs[id(module)] = entry
+        return entry[1]
+
+    def choose(self, key: tuple, batched: Callable[[], mx.array], single: Callable[[], mx.array]):
+        ok = self.verdicts.get(key)
+        if ok:
+            return batched()
+        out = single()
+        if ok is None:
+            self.verdicts[key] = bool(mx.array_equal(batched(), out).item())
+        return out
+
+    def rows(self, fn, x: mx.array, exact: bool, module=None) -> mx.array:
+        """``fn`` over x [B, T, ...]: batched, or position by position where rows differ."""
+        T = x.shape[1]
+        if not exact or T == 1:
+            return fn(x)
+        key = (self.signature(module if module is not None else fn), T, str(x.dtype))
+        return self.choose(
+            key,
+            lambda: fn(x),
+            lambda: mx.concatenate([fn(x[:, t : t + 1]) for t in range(T)], axis=1),
+        )
 
 
-def default_rowwise() -> bool:
-    # Measured: every op of the forward is row-invariant on MLX's CPU backend; GPU matmuls
-    # (bf16 on CUDA in particular) are not, so the verify block goes position by position there.
-    return mx.default_device() != mx.cpu
-
-
-def _gated_delta_layer(m: qwen3_5.GatedDeltaNet, x, cache, keep: bool, rowwise: bool):
+def _gated_delta_layer(m: qwen3_5.GatedDeltaNet, x, cache, exact: bool, policy: RowPolicy):
     B, S, _ = x.shape
     n_keep = m.conv_kernel_size - 1
-    qkv = rows(m.in_proj_qkv, x, rowwise)  # [B, S, C]
-    z = rows(m.in_proj_z, x, rowwise).reshape(B, S, m.num_v_heads, m.head_v_dim)
-    b = rows(m.in_proj_b, x, rowwise)  # [B, S, Hv]
-    a = rows(m.in_proj_a, x, rowwise)  # [B, S, Hv]
+    qkv = policy.rows(m.in_proj_qkv, x, exact)  # [B, S, C]
+    z = policy.rows(m.in_proj_z, x, exact).reshape(B, S, m.num_v_heads, m.head_v_dim)
+    b = policy.rows(m.in_proj_b, x, exact)  # [B, S, Hv]
+    a = policy.rows(m.in_proj_a, x, exact)  # [B, S, Hv]
 
     conv_state = cache[0]
     if conv_state is None:
         conv_state = mx.zeros((B, n_keep, m.conv_dim), dtype=x.dtype)  # [B, K-1, C]
     conv_input = mx.concatenate([conv_state, qkv], axis=1)  # [B, K-1+S, C]
     cache[0] = mx.contiguous(conv_input[:, conv_input.shape[1] - n_keep :])
-    if rowwise and S > 1:
-        conv_out = mx.concatenate(
-            [m.conv1d(conv_input[:, t : t + n_keep + 1]) for t in range(S)], axis=1
+    if exact and S > 1:
+        conv_out = policy.choose(
+            (policy.signature(m.conv1d), S, str(x.dtype)),
+            lambda: m.conv1d(conv_input),
+            lambda: mx.concatenate(
+                [m.conv1d(conv_input[:, t : t + n_keep + 1]) for t in range(S)], axis=1
+            ),
         )
     else:
         conv_out = m.conv1d(conv_input)
@@ -85,19 +122,33 @@ def _gated_delta_layer(m: qwen3_5.GatedDeltaNet, x, cache, keep: bool, rowwise: 
     state = cache[1]
     if state is None:
         state = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
-    y, state, states = gated_delta(q, k, v, g, beta, state, keep_states=keep)
+    # The kernel's T steps equal T one-step calls bitwise by construction (chain parity).
+    y, state, states = gated_delta(q, k, v, g, beta, state, keep_states=exact)
     cache[1] = state
 
     out = m.norm(y, z)  # [B, S, Hv, Dv]
-    out = rows(m.out_proj, out.reshape(B, S, -1), rowwise)
-    return out, (GatedDeltaTrace(conv_input, states) if keep else None)
+    out = policy.rows(m.out_proj, out.reshape(B, S, -1), exact)
+    return out, (GatedDeltaTrace(conv_input, states) if exact else None)
 
 
-def _attention_layer(m, x, mask, cache, rowwise: bool):
-    if not rowwise or x.shape[1] == 1:
+def _attention_layer(m, x, mask, cache: KVCache, exact: bool, policy: RowPolicy):
+    T = x.shape[1]
+    key = (policy.signature(m), T, str(x.dtype)) if exact and T > 1 else None
+    if key is None or policy.verdicts.get(key):
         return m(x, mask=mask, cache=cache)
-    # One position at a time through the cache: exactly the decode arithmetic.
-    return mx.concatenate([m(x[:, t : t + 1], cache=cache) for t in range(x.shape[1])], axis=1)
+    before = cache.state if cache.keys is not None else None
+
+    def batched():
+        # On a throwaway copy of the cache as it was, so the comparison leaves the real one alone.
+        probe = KVCache()
+        if before is not None:
+            probe.state = before
+        return m(x, mask=mask, cache=probe)
+
+    def single():  # one position at a time through the cache: exactly the decode arithmetic
+        return mx.concatenate([m(x[:, t : t + 1], cache=cache) for t in range(T)], axis=1)
+
+    return policy.choose(key, batched, single)
 
 
 class Qwen35Target:
@@ -107,7 +158,7 @@ class Qwen35Target:
         self.model = model  # mlx-lm's Model: parameters and checkpoint names
         self.config = config
         self.text = model.language_model
-        self.rowwise = default_rowwise()
+        self.policy = RowPolicy()
 
     @property
     def layers(self):
@@ -120,34 +171,33 @@ class Qwen35Target:
     def make_cache(self) -> list:
         return [ArraysCache(size=2) if layer.is_linear else KVCache() for layer in self.layers]
 
-    def lm_head(self, hidden: mx.array, rowwise: bool = False) -> mx.array:
-        """Logits [B, T, V] from final-normed hidden states [B, T, H]."""
+    def lm_head(self, hidden: mx.array, exact: bool = False) -> mx.array:
+        """Logits [B, T, V] from final-normed hidden states [B, T, H]; ``exact`` as in a verify."""
         if self.config.text.tie_word_embeddings:
-            head = self.embed_tokens.as_linear
-        else:
-            head = self.text.lm_head
-        return rows(head, hidden, rowwise)
+            embed = self.embed_tokens
+            return self.policy.rows(embed.as_linear, hidden, exact, module=embed)
+        return self.policy.rows(self.text.lm_head, hidden, exact)
 
     def forward(self, tokens: mx.array, cache: list, *, verify: bool = False) -> ForwardOut:
         """Run tokens [B, T] through the decoder, appending to ``cache``.
 
-        ``verify`` keeps the per-position traces for ``rollback`` and, where the backend needs
-        it, computes position by position so that the result equals T decode steps bitwise.
+        ``verify`` keeps the per-position traces for ``rollback`` and computes every position
+        exactly as a one-token decode step would (see ``RowPolicy``).
         """
-        rowwise = verify and self.rowwise
+        policy = self.policy
         h = self.embed_tokens(tokens)  # [B, T, H]
         kv = next((c for c, ly in zip(cache, self.layers, strict=True) if not ly.is_linear), None)
-        mask = None if rowwise else create_attention_mask(h, kv)
+        mask = create_attention_mask(h, kv)
         traces: list[GatedDeltaTrace | None] = []
         for layer, c in zip(self.layers, cache, strict=True):
             x = layer.input_layernorm(h)
             if layer.is_linear:
-                r, trace = _gated_delta_layer(layer.linear_attn, x, c, verify, rowwise)
+                r, trace = _gated_delta_layer(layer.linear_attn, x, c, verify, policy)
             else:
-                r, trace = _attention_layer(layer.self_attn, x, mask, c, rowwise), None
+                r, trace = _attention_layer(layer.self_attn, x, mask, c, verify, policy), None
             traces.append(trace)
             h = h + r
-            h = h + rows(layer.mlp, layer.post_attention_layernorm(h), rowwise)
+            h = h + policy.rows(layer.mlp, layer.post_attention_layernorm(h), verify)
         return ForwardOut(self.text.model.norm(h), traces if verify else None)
 
     def prefill(self, tokens: mx.array, cache: list) -> mx.array:
