@@ -100,7 +100,7 @@ def leave_out(target, cache, T: int, repeats: int, what: str) -> dict:
     else:
         original, name = tm._attention_layer, "_attention_layer"
 
-        def stub(m, x, mask, c, exact, policy):
+        def stub(m, x, mask, c, exact):
             if c is not None:
                 c.update_and_fetch(*(mx.zeros((1, m.num_key_value_heads, x.shape[1], m.head_dim),
                                               x.dtype),) * 2)  # fmt: skip

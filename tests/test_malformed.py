@@ -70,6 +70,16 @@ def _unreadable(d: Path) -> None:
     (d / "config.json").symlink_to(d / "missing-target.json")
 
 
+def _config_socket(d: Path) -> None:
+    # A file the process cannot read, even as root: open() on a socket fails.
+    import socket
+
+    (d / "config.json").unlink()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(d / "config.json"))
+    sock.close()
+
+
 def _non_utf8(d: Path) -> None:
     (d / "config.json").write_bytes(b'{"model_type": "\xff\xfe"}')
 
@@ -78,6 +88,7 @@ def _non_utf8(d: Path) -> None:
 CASES = [
     ("config-missing", "target", lambda d: (d / "config.json").unlink(), E.BadConfigError),
     ("config-dangling-link", "target", _unreadable, E.BadConfigError),
+    ("config-unreadable", "target", _config_socket, E.BadConfigError),
     ("config-is-dir", "drafter", lambda d: ((d / "config.json").unlink(), (d / "config.json").mkdir()), E.BadConfigError),
     ("config-non-utf8", "target", _non_utf8, E.BadConfigError),
     ("config-not-json", "drafter", lambda d: (d / "config.json").write_text("{model_type: x"), E.BadConfigError),

@@ -8,6 +8,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model
 
+from mtpcli import kernels
 from mtpcli.config import load_config
 from mtpcli.engine.classic import generate_classic
 from mtpcli.models.qwen3_5 import load_target
@@ -23,7 +24,10 @@ PROMPTS = [[7], [72, 101, 108, 108, 111, 32, 119], [(i * 13) % 250 for i in rang
      (True, 4, "mlx", None), (False, None, "raw", None), (False, 4, "mlx", 0.45)],
     ids=["bf16", "4bit", "8bit", "moe-4bit", "raw-bf16", "4bit-predictable"],
 )  # fmt: skip
-def test_classic_tokens_equal_mlx_lm_greedy(ckpts, moe, bits, layout, predictable):
+@pytest.mark.parametrize("kernel_mode", ["auto", "ops"])
+def test_classic_tokens_equal_mlx_lm_greedy(ckpts, monkeypatch, moe, bits, layout, predictable,
+                                            kernel_mode):  # fmt: skip
+    monkeypatch.setitem(kernels._state, "mode", kernel_mode)
     path = ckpts.target(moe=moe, bits=bits, layout=layout, predictable=predictable, seed=3)
     theirs_model, _ = load_model(path)
     ours = load_target(path, load_config(path))
