@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -248,9 +249,106 @@ def extract_drafter_cmd(
 
 
 @app.command()
-def bench() -> None:
-    """Side-by-side speed figures (not implemented yet: arrives with the bench issue)."""
-    raise UsageError("`mtp bench` is not implemented yet; it arrives in a later release")
+def bench(
+    model: str | None = typer.Option(
+        None, "-m", "--model", help="Target (default: built-in example)."
+    ),
+    draft_model: str | None = typer.Option(None, "--draft-model", help="qwen3_5_mtp drafter."),
+    synthetic: str | None = typer.Option(
+        None,
+        "--synthetic",
+        help="Random weights of a real shape, built in memory: qwen3.8-27b, qwen3.5-small.",
+    ),
+    bits: int = typer.Option(4, "--bits", help="With --synthetic: 4, 8 or 16 (bf16)."),
+    block_size: list[int] = typer.Option([3], "--block-size", help="MTP block size; repeatable."),
+    repeats: int = typer.Option(5, "--repeats", min=1),
+    max_tokens: int = typer.Option(256, "-n", "--max-tokens", min=1),
+    prompts_file: Path | None = typer.Option(None, "--prompts", help="One prompt per line."),
+    simulate_acceptance: float | None = typer.Option(
+        None,
+        "--simulate-acceptance",
+        help="Swap each draft for the target's own token with this probability.",
+    ),
+    peers: bool = typer.Option(
+        False, "--peers", help="Also run mlx-lm's decoding on the same weights."
+    ),
+    verify_table: bool = typer.Option(
+        True, "--verify-table/--no-verify-table", help="Time T = 1..8 forwards."
+    ),
+    out: Path | None = typer.Option(None, "--out", help="Write Markdown and JSON here."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Classic vs MTP decoding side by side, with the verify-cost table (medians, min-max)."""
+    import os as _os
+
+    from rich.progress import Progress
+
+    from . import bench as B
+    from .example import NOTE, ensure_example
+    from .loading import load_pair
+
+    for b in block_size:
+        if not 2 <= b <= 16:
+            raise UsageError(f"--block-size must be in [2, 16], got {b}")
+    if simulate_acceptance is not None and not 0 <= simulate_acceptance <= 1:
+        raise UsageError(f"--simulate-acceptance must be in [0, 1], got {simulate_acceptance}")
+    load_before = _os.getloadavg()
+    if synthetic:
+        from . import synthetic as S
+
+        if synthetic not in S.SHAPES:
+            raise UsageError(f"--synthetic must be one of {', '.join(S.SHAPES)}, got {synthetic!r}")
+        if bits not in (4, 8, 16):
+            raise UsageError(f"--bits must be 4, 8 or 16, got {bits}")
+        target, drafter = S.build(synthetic, bits=None if bits == 16 else bits)
+        tokenizer, label = None, f"synthetic {synthetic} {bits}-bit (random weights)"
+    else:
+        if model is None:
+            t, d = ensure_example()
+            model, draft_model = str(t), draft_model or str(d)
+            err.print(f"[yellow]{NOTE}[/yellow]")
+        loaded = load_pair(model, draft_model, "mtp")
+        target, drafter, tokenizer, label = loaded.target, loaded.drafter, loaded.tokenizer, model
+    texts = B.DEFAULT_PROMPTS
+    if prompts_file is not None:
+        if not prompts_file.is_file():
+            raise UsageError(f"--prompts {prompts_file} is not a file")
+        texts = [line for line in prompts_file.read_text().splitlines() if line.strip()]
+        if not texts:
+            raise UsageError(f"--prompts {prompts_file} holds no prompt")
+    if tokenizer is not None:
+        prompts = [tokenizer.encode(t) for t in texts]
+    else:  # random weights know no tokenizer: fixed pseudo-random ids of the same lengths
+        prompts = [[(i * 7919 + 13 * j) % 1000 + 1 for j in range(len(t) // 4 + 1)]
+                   for i, t in enumerate(texts)]  # fmt: skip
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task("bench", total=None)
+        result = B.compare(
+            target, drafter, prompts, blocks=block_size, max_tokens=max_tokens, repeats=repeats,
+            simulate=simulate_acceptance, peers=peers,
+            progress=lambda msg: bar.update(task, description=msg),
+        )  # fmt: skip
+        bar.update(task, description="verify-cost table")
+        table = B.verify_cost_table(target, prompts[0], max(3, repeats)) if verify_table else None
+    info = B.machine() | {"load_before": load_before, "load_after": _os.getloadavg()}
+    settings = {
+        "model": label, "blocks": block_size, "repeats": repeats, "max_tokens": max_tokens,
+        "prompts": len(prompts), "simulate_acceptance": simulate_acceptance, "peers": peers,
+    }  # fmt: skip
+    doc = B.to_json(result, table, info, settings)
+    markdown = B.markdown(doc)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        (out / f"bench-{stamp}.json").write_text(json.dumps(doc, indent=1))
+        (out / f"bench-{stamp}.md").write_text(markdown)
+        err.print(f"wrote {out}/bench-{stamp}.md and .json")
+    if as_json:
+        sys.stdout.write(json.dumps(doc) + "\n")
+    else:
+        from rich.markdown import Markdown
+
+        Console().print(Markdown(markdown))
 
 
 def run(argv: list[str] | None = None) -> int:

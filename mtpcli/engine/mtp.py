@@ -50,8 +50,12 @@ def generate_mtp(
     sampling: SamplingParams = SamplingParams(),
     eos_ids: Iterable[int] = (),
     stats: GenerationStats | None = None,
+    propose=draft,
 ) -> Iterator[int]:
-    """Yield generated token ids (EOS excluded) until EOS or ``max_tokens``."""
+    """Yield generated token ids (EOS excluded) until EOS or ``max_tokens``.
+
+    ``propose`` makes the drafts (``draft``'s signature); benchmarks swap in a wrapper.
+    """
     if not 2 <= block_size <= 16:
         raise UsageError(f"block size must be in [2, 16], got {block_size}")
     stats = stats if stats is not None else GenerationStats()
@@ -78,7 +82,7 @@ def generate_mtp(
             if n >= max_tokens:
                 return
             t0 = time.perf_counter()
-            drafts, q = draft(drafter, target, ctx_tokens, ctx_hidden, dcache, k, sampling)
+            drafts, q = propose(drafter, target, ctx_tokens, ctx_hidden, dcache, k, sampling)
             t1 = time.perf_counter()
             out = target.forward(mx.array([[pending, *drafts]]), tcache, verify=True)
             logits = target.lm_head(out.hidden, exact=True)[0]  # [k+1, V]

@@ -1,0 +1,361 @@
+"""``mtp bench``: classic and MTP decoding side by side, and the verify-cost table.
+
+Every figure is a median over repeats with min-max, on the same weights and prompts in one
+run, with the machine, its load and the versions beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .engine import GenerationStats
+from .engine.classic import generate_classic
+from .engine.mtp import draft, generate_mtp
+from .models.qwen3_5 import cache_arrays
+
+DEFAULT_PROMPTS = [
+    "Explain in detail how a transformer neural network works, covering attention, "
+    "feed-forward layers, normalization, and training.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "List the steps to make a cup of tea, then explain why each step matters.",
+]
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def machine() -> dict:
+    """Backend, device, versions and load: printed beside every figure."""
+    import importlib.metadata as md
+
+    def version(name: str) -> str | None:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    if mx.default_device() == mx.cpu:
+        device = f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+        backend = "cpu"
+    else:
+        info = mx.device_info()
+        device = str(info.get("device_name", "gpu"))
+        backend = "metal" if mx.metal.is_available() else "cuda"
+    return {
+        "backend": backend,
+        "device": device,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx_lm": version("mlx-lm"),
+        "mtp": version("mtp"),
+    }
+
+
+def timed_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> dict:
+    for _ in range(warmup):
+        fn()
+    mx.synchronize()
+    ms = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        mx.synchronize()
+        ms.append((time.perf_counter() - t0) * 1000)
+    return spread(ms)
+
+
+def forward_cost(target, cache: list, T: int, verify: bool, repeats: int) -> dict:
+    """ms of one forward of T tokens (LM head included) on top of ``cache``, left unchanged."""
+    x = mx.random.randint(0, target.config.text.vocab_size, (1, T))
+    saved = [c.offset if hasattr(c, "offset") else list(c.cache) for c in cache]
+
+    def run():
+        out = target.forward(x, cache, verify=verify)
+        mx.eval(target.lm_head(out.hidden, exact=verify), cache_arrays(cache))
+        for c, s in zip(cache, saved, strict=True):
+            if hasattr(c, "offset"):
+                c.offset = s
+            else:
+                c.cache = list(s)
+
+    return timed_ms(run, repeats)
+
+
+def verify_cost_table(target, prompt: list[int], repeats: int, ts=range(1, 9)) -> dict:
+    """Verify path and plain prefill path, T = 1..8, with ratios to T = 1."""
+    cache = target.make_cache()
+    target.prefill(mx.array([prompt]), cache)
+    table = {"verify_ms": {}, "prefill_ms": {}}
+    for T in ts:
+        table["verify_ms"][T] = forward_cost(target, cache, T, True, repeats)
+        table["prefill_ms"][T] = forward_cost(target, cache, T, False, repeats)
+    base = table["verify_ms"][1]["median"]
+    table["ratio"] = {T: v["median"] / base for T, v in table["verify_ms"].items()}
+    return table
+
+
+def simulated_drafts(reference: list[int], prompt_len: int, p: float, seed: int):
+    """A ``draft`` that swaps each draft for the target's own next token with probability p.
+
+    ``reference`` is the classic greedy continuation, which at temperature 0 is exactly what
+    the target would say next. The drafter still runs and the target still verifies.
+    """
+    rng = random.Random(seed)
+    seen = {"tokens": 0}
+
+    def propose(drafter, target, tokens, hidden, cache, k, s):
+        drafts, q = draft(drafter, target, tokens, hidden, cache, k, s)
+        seen["tokens"] += len(tokens)
+        pending = seen["tokens"] - prompt_len  # index of the pending token in the output
+        for i in range(k):
+            j = pending + 1 + i
+            if j < len(reference) and rng.random() < p:
+                drafts[i] = reference[j]
+        return drafts, q
+
+    return propose
+
+
+@dataclass
+class Arm:
+    name: str
+    block_size: int | None
+    tps: list[float] = field(default_factory=list)
+    peak_memory_gb: float = 0.0
+    acceptance: list[float] = field(default_factory=list)
+    by_position: list[list[float]] = field(default_factory=list)
+    tokens_per_verify: list[float] = field(default_factory=list)
+    draft_ms: list[float] = field(default_factory=list)
+    verify_ms: list[float] = field(default_factory=list)
+    rollback_ms: list[float] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        out = {
+            "name": self.name,
+            "block_size": self.block_size,
+            "tps": spread(self.tps),
+            "peak_memory_gb": self.peak_memory_gb,
+        }
+        if self.block_size:
+            out |= {
+                "acceptance_rate": spread(self.acceptance),
+                "acceptance_by_position": [
+                    statistics.median(c) for c in zip(*self.by_position, strict=True)
+                ],
+                "tokens_per_verify": spread(self.tokens_per_verify),
+                "draft_ms_per_round": spread(self.draft_ms),
+                "verify_ms_per_round": spread(self.verify_ms),
+                "rollback_ms_per_round": spread(self.rollback_ms),
+            }
+        return out
+
+
+def run_arm(arm: Arm, generate: Callable[[GenerationStats], list[int]]) -> None:
+    stats = GenerationStats()
+    tokens = generate(stats)
+    arm.tokens.append(tokens)
+    arm.tps.append(stats.generation_tps)
+    arm.peak_memory_gb = max(arm.peak_memory_gb, stats.peak_memory_gb)
+    r = stats.mtp
+    if r is not None and r.rounds:
+        per_round = 1000 / r.rounds
+        arm.acceptance.append(r.acceptance_rate)
+        arm.by_position.append(r.acceptance_by_position)
+        arm.tokens_per_verify.append(r.tokens_per_verify)
+        arm.draft_ms.append(r.draft_s * per_round)
+        arm.verify_ms.append(r.verify_s * per_round)
+        arm.rollback_ms.append(r.rollback_s * per_round)
+
+
+def compare(
+    target,
+    drafter,
+    prompts: list[list[int]],
+    *,
+    blocks: list[int],
+    max_tokens: int,
+    repeats: int,
+    simulate: float | None = None,
+    peers: bool = False,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict:
+    """Run every arm ``repeats`` times over ``prompts``; one tok/s figure per repeat."""
+    arms = {"classic": Arm("classic", None)}
+    arms |= {f"mtp-{b}": Arm(f"mtp block {b}", b) for b in blocks}
+    if peers:
+        arms["mlx_lm"] = Arm("mlx-lm classic (peer)", None)
+    references = {}
+    for prompt in prompts:  # warm-up (kernel compilation) and the greedy reference
+        references[tuple(prompt)] = list(generate_classic(target, prompt, max_tokens=max_tokens))
+        for b in blocks:
+            list(generate_mtp(target, drafter, prompt, block_size=b, max_tokens=8))
+    for rep in range(repeats):
+        for key, arm in arms.items():
+            progress(f"repeat {rep + 1}/{repeats}: {arm.name}")
+            per_prompt = Arm(arm.name, arm.block_size)
+            for i, prompt in enumerate(prompts):
+                if key == "classic":
+                    run_arm(
+                        per_prompt,
+                        lambda s, p=prompt: list(
+                            generate_classic(target, p, max_tokens=max_tokens, stats=s)
+                        ),
+                    )
+                elif key == "mlx_lm":
+                    run_arm(
+                        per_prompt, lambda s, p=prompt: _mlx_lm_greedy(target, p, max_tokens, s)
+                    )
+                else:
+                    propose = (
+                        simulated_drafts(
+                            references[tuple(prompt)], len(prompt), simulate, rep * 97 + i
+                        )
+                        if simulate is not None
+                        else draft
+                    )
+                    run_arm(
+                        per_prompt,
+                        lambda s, p=prompt, b=arm.block_size, pr=propose: list(
+                            generate_mtp(
+                                target,
+                                drafter,
+                                p,
+                                block_size=b,
+                                max_tokens=max_tokens,
+                                stats=s,
+                                propose=pr,
+                            )
+                        ),
+                    )
+            _merge(arm, per_prompt)
+    result = {k: a.summary() for k, a in arms.items()}
+    classic_tokens = arms["classic"].tokens[: len(prompts)]
+    for key, arm in arms.items():
+        if key != "classic":
+            result[key]["same_tokens_as_classic"] = arm.tokens[: len(prompts)] == classic_tokens
+    return result
+
+
+def _merge(arm: Arm, per_prompt: Arm) -> None:
+    # One figure per repeat: the harmonic mean of the prompts' tok/s is total tokens / total time.
+    n = [len(t) for t in per_prompt.tokens]
+    seconds = sum(k / tps for k, tps in zip(n, per_prompt.tps, strict=True) if tps)
+    arm.tps.append(sum(n) / seconds if seconds else 0.0)
+    arm.tokens.extend(per_prompt.tokens)
+    arm.peak_memory_gb = max(arm.peak_memory_gb, per_prompt.peak_memory_gb)
+    for name in ("acceptance", "tokens_per_verify", "draft_ms", "verify_ms", "rollback_ms"):
+        values = getattr(per_prompt, name)
+        if values:
+            getattr(arm, name).append(statistics.mean(values))
+    if per_prompt.by_position:
+        arm.by_position.append(
+            [statistics.mean(c) for c in zip(*per_prompt.by_position, strict=True)]
+        )
+
+
+def _mlx_lm_greedy(target, prompt: list[int], max_tokens: int, stats: GenerationStats):
+    """mlx-lm's own decoding loop on the same module (the classic peer)."""
+    from mlx_lm.generate import generate_step
+
+    gen = generate_step(mx.array(prompt), target.model, max_tokens=max_tokens)
+    tokens = [int(next(gen)[0])]
+    start = time.perf_counter()
+    tokens += [int(t) for t, _ in gen]
+    stats.generation_tokens = len(tokens) - 1
+    stats.generation_s = time.perf_counter() - start
+    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+    return tokens
+
+
+def to_json(result: dict, table: dict | None, info: dict, settings: dict) -> dict:
+    classic = result["classic"]["tps"]["median"]
+    mtp = {k.split("-")[1]: v for k, v in result.items() if k.startswith("mtp-")}
+    return {
+        "machine": info,
+        "settings": settings,
+        "classic_tps": classic,
+        "mtp_tps": {b: v["tps"]["median"] for b, v in mtp.items()},
+        "speedup": {b: v["tps"]["median"] / classic if classic else 0.0 for b, v in mtp.items()},
+        "acceptance_rate": {b: v["acceptance_rate"]["median"] for b, v in mtp.items()},
+        "verify_cost": {T: v["median"] for T, v in (table or {}).get("verify_ms", {}).items()},
+        "arms": result,
+        "verify_cost_table": table,
+    }
+
+
+def markdown(doc: dict) -> str:
+    """The report: arms table, per-position acceptance, verify-cost table, machine."""
+    info, st = doc["machine"], doc["settings"]
+
+    def cell(d: dict, f: str = "{:.2f}") -> str:
+        return f"{f.format(d['median'])} ({f.format(d['min'])}-{f.format(d['max'])})"
+
+    sim = st["simulate_acceptance"]
+    lines = [
+        f"# mtp bench: {st['model']}",
+        "",
+        f"{info['device']} ({info['backend']}); MLX {info['mlx']}, mlx-lm {info['mlx_lm']}; load "
+        f"{tuple(round(x, 2) for x in info['load_before'])} before, "
+        f"{tuple(round(x, 2) for x in info['load_after'])} after. {st['prompts']} prompts x "
+        f"{st['max_tokens']} tokens, {st['repeats']} repeats; figures are median (min-max).",
+    ]
+    if sim is not None:
+        lines += [
+            "",
+            f"**Simulated acceptance**: each draft was replaced by the target's own next "
+            f"token with probability {sim}; acceptance figures below are simulated.",
+        ]
+    lines += [
+        "",
+        "| arm | tok/s | vs classic | acceptance | tokens/verify | draft ms | verify ms "
+        "| rollback ms | peak GB | tokens = classic |",
+        "|" + "---|" * 10,
+    ]
+    classic = doc["classic_tps"]
+    for arm in doc["arms"].values():
+        ratio = arm["tps"]["median"] / classic if classic else 0.0
+        if arm["block_size"]:
+            extra = [
+                cell(arm["acceptance_rate"], "{:.3f}"),
+                cell(arm["tokens_per_verify"]),
+                cell(arm["draft_ms_per_round"]),
+                cell(arm["verify_ms_per_round"]),
+                cell(arm["rollback_ms_per_round"]),
+            ]
+        else:
+            extra = ["-"] * 5
+        same = arm.get("same_tokens_as_classic", "-")
+        lines.append(
+            f"| {arm['name']} | {cell(arm['tps'])} | {ratio:.2f}x | "
+            + " | ".join(extra)
+            + f" | {arm['peak_memory_gb']:.2f} | {same} |"
+        )
+    for arm in doc["arms"].values():
+        if arm["block_size"]:
+            per = ", ".join(f"{a:.3f}" for a in arm["acceptance_by_position"])
+            lines.append(f"\nAcceptance by draft position, {arm['name']}: {per}")
+    table = doc["verify_cost_table"]
+    if table:
+        lines += [
+            "",
+            "Verify cost (one forward of T tokens after the first prompt, LM head included, ms):",
+            "",
+            "| T | verify path | plain prefill path | verify / T=1 |",
+            "|---|---|---|---|",
+        ]
+        for T, v in table["verify_ms"].items():
+            lines.append(
+                f"| {T} | {cell(v)} | {cell(table['prefill_ms'][T])} | {table['ratio'][T]:.2f} |"
+            )
+    return "\n".join(lines) + "\n"

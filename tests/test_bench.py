@@ -1,0 +1,48 @@
+"""``mtp bench``: the report's figures exist, are labelled, and simulated acceptance works."""
+
+from __future__ import annotations
+
+import json
+
+from mtpcli.cli import run
+
+
+def _bench(capsys, *args) -> dict:
+    capsys.readouterr()
+    assert run(["bench", "--repeats", "1", "-n", "12", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_bench_json_on_the_example(capsys, tmp_path):
+    doc = _bench(capsys, "--block-size", "2", "--block-size", "3", "--out", str(tmp_path))
+    assert doc["classic_tps"] > 0 and set(doc["mtp_tps"]) == {"2", "3"}
+    assert set(doc["speedup"]) == {"2", "3"} and 0 <= doc["acceptance_rate"]["3"] <= 1
+    assert sorted(int(t) for t in doc["verify_cost"]) == list(range(1, 9))
+    assert all(arm.get("same_tokens_as_classic", True) for arm in doc["arms"].values())
+    assert doc["machine"]["backend"] == "cpu" and len(doc["machine"]["load_before"]) == 3
+    md = next(tmp_path.glob("bench-*.md")).read_text()
+    assert "mtp block 3" in md and "median (min-max)" in md
+    assert json.loads(next(tmp_path.glob("bench-*.json")).read_text())["settings"]["repeats"] == 1
+
+
+def test_simulated_acceptance_controls_acceptance(ckpts, capsys):
+    """A random drafter is never right; swapping in the target's own token makes it so."""
+    target, drafter = str(ckpts.target()), str(ckpts.drafter(predictable=None, seed=5))
+    base = ["-m", target, "--draft-model", drafter, "--block-size", "3", "--no-verify-table"]
+    never = _bench(capsys, *base)
+    always = _bench(capsys, *base, "--simulate-acceptance", "1.0")
+    assert never["acceptance_rate"]["3"] < 0.2
+    assert always["acceptance_rate"]["3"] == 1.0
+    assert always["arms"]["mtp-3"]["same_tokens_as_classic"] is True
+
+
+def test_peers_run_on_the_same_weights(capsys):
+    doc = _bench(capsys, "--block-size", "2", "--peers", "--no-verify-table")
+    assert doc["arms"]["mlx_lm"]["same_tokens_as_classic"] is True
+
+
+def test_bad_bench_arguments(capsys):
+    for args in (["--block-size", "1"], ["--simulate-acceptance", "2"], ["--synthetic", "nope"]):
+        capsys.readouterr()
+        assert run(["bench", *args]) != 0
+        assert "error:" in capsys.readouterr().err
