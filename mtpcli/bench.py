@@ -196,6 +196,7 @@ def compare(
     if peers:
         arms["mlx_lm"] = Arm("mlx-lm classic (peer)", None)
     references = {}
+    progress("warm-up: compiling kernels, greedy references")
     for prompt in prompts:  # warm-up (kernel compilation) and the greedy reference
         references[tuple(prompt)] = list(generate_classic(target, prompt, max_tokens=max_tokens))
         for b in blocks:

@@ -321,14 +321,20 @@ def bench(
     else:  # random weights know no tokenizer: fixed pseudo-random ids of the same lengths
         prompts = [[(i * 7919 + 13 * j) % 1000 + 1 for j in range(len(t) // 4 + 1)]
                    for i, t in enumerate(texts)]  # fmt: skip
-    with Progress(console=err, transient=True) as bar:
+    t0 = time.perf_counter()
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("bench", total=None)
+
+        def progress(msg: str) -> None:
+            bar.update(task, description=msg)
+            if not err.is_terminal:  # logs of long runs show how far they got
+                err.print(f"[{time.perf_counter() - t0:7.1f}s] {msg}")
+
         result = B.compare(
             target, drafter, prompts, blocks=block_size, max_tokens=max_tokens, repeats=repeats,
-            simulate=simulate_acceptance, peers=peers,
-            progress=lambda msg: bar.update(task, description=msg),
+            simulate=simulate_acceptance, peers=peers, progress=progress,
         )  # fmt: skip
-        bar.update(task, description="verify-cost table")
+        progress("verify-cost table")
         table = B.verify_cost_table(target, prompts[0], max(3, repeats)) if verify_table else None
     info = B.machine() | {"load_before": load_before, "load_after": _os.getloadavg()}
     settings = {
