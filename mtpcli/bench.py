@@ -310,6 +310,8 @@ def markdown(doc: dict) -> str:
         f"{tuple(round(x, 2) for x in info['load_before'])} before, "
         f"{tuple(round(x, 2) for x in info['load_after'])} after. {st['prompts']} prompts x "
         f"{st['max_tokens']} tokens, {st['repeats']} repeats; figures are median (min-max).",
+        "",
+        f"Command: `{st.get('command', 'mtp bench')}`",
     ]
     if sim is not None:
         lines += [

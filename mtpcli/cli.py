@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -303,12 +304,13 @@ def bench(
         target, drafter = S.build(synthetic, bits=None if bits == 16 else bits)
         tokenizer, label = None, f"synthetic {synthetic} {bits}-bit (random weights)"
     else:
+        label = model or "built-in example (tiny, random weights)"
         if model is None:
             t, d = ensure_example()
             model, draft_model = str(t), draft_model or str(d)
             err.print(f"[yellow]{NOTE}[/yellow]")
         loaded = load_pair(model, draft_model, "mtp")
-        target, drafter, tokenizer, label = loaded.target, loaded.drafter, loaded.tokenizer, model
+        target, drafter, tokenizer = loaded.target, loaded.drafter, loaded.tokenizer
     texts = B.DEFAULT_PROMPTS
     if prompts_file is not None:
         if not prompts_file.is_file():
@@ -338,6 +340,7 @@ def bench(
         table = B.verify_cost_table(target, prompts[0], max(3, repeats)) if verify_table else None
     info = B.machine() | {"load_before": load_before, "load_after": _os.getloadavg()}
     settings = {
+        "command": "mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "model": label, "blocks": block_size, "repeats": repeats, "max_tokens": max_tokens,
         "prompts": len(prompts), "simulate_acceptance": simulate_acceptance, "peers": peers,
     }  # fmt: skip
