@@ -13,13 +13,22 @@ from collections.abc import Iterable, Iterator
 
 import mlx.core as mx
 
+from ..drafters import Drafter
 from ..errors import UsageError
-from ..models.qwen3_5 import cache_arrays, rollback
+from ..models.qwen3_5 import Qwen35Target, cache_arrays, rollback
 from . import GenerationStats, MTPStats, prompt_array
-from .sampling import SamplingParams, accept_greedy, accept_sampled, greedy, pick, probs
+from .sampling import SamplingParams, accept, greedy, pick, probs
 
 
-def draft(drafter, target, tokens: list[int], hidden: mx.array, cache: list, k: int, s):
+def draft(
+    drafter: Drafter,
+    target: Qwen35Target,
+    tokens: list[int],
+    hidden: mx.array,
+    cache: list,
+    k: int,
+    s: SamplingParams,
+) -> tuple[list[int], mx.array | None]:
     """Catch the drafter up on ``tokens`` (with the target hidden before each), then chain k drafts.
 
     Returns the drafts and, when sampling, the drafter distributions they were drawn from.
@@ -41,8 +50,8 @@ def draft(drafter, target, tokens: list[int], hidden: mx.array, cache: list, k: 
 
 
 def generate_mtp(
-    target,
-    drafter,
+    target: Qwen35Target,
+    drafter: Drafter,
     prompt,
     *,
     block_size: int,
@@ -86,12 +95,7 @@ def generate_mtp(
             t1 = time.perf_counter()
             out = target.forward(mx.array([[pending, *drafts]]), tcache, verify=True)
             logits = target.lm_head(out.hidden, exact=True)[0]  # [k+1, V]
-            if sampling.greedy:
-                targets = greedy(logits).tolist()
-                n_acc = accept_greedy(drafts, targets)
-                nxt = targets[n_acc]
-            else:
-                n_acc, nxt = accept_sampled(probs(logits, sampling), q, drafts)
+            n_acc, nxt = accept(logits, drafts, q, sampling)
             t2 = time.perf_counter()
             rollback(tcache, out.traces, n_acc + 1, k + 1)
             drafter.trim(dcache, k - 1)

@@ -73,6 +73,17 @@ def accept_greedy(drafts: list[int], targets: list[int]) -> int:
     return n
 
 
+def accept(
+    logits: mx.array, drafts: list[int], q: mx.array | None, s: SamplingParams
+) -> tuple[int, int]:
+    """One round's verdict from the target logits [k+1, V]: (accepted drafts, next token)."""
+    if s.greedy:
+        targets = greedy(logits).tolist()
+        n = accept_greedy(drafts, targets)
+        return n, targets[n]
+    return accept_sampled(probs(logits, s), q, drafts)
+
+
 def accept_sampled(p: mx.array, q: mx.array, drafts: list[int]) -> tuple[int, int]:
     """Speculative sampling for one round; preserves the target distribution.
 
