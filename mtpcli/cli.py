@@ -155,6 +155,8 @@ def generate(
         target_dir, example_drafter = ensure_example()
         model, draft_model = str(target_dir), draft_model or str(example_drafter)
         err.print(f"[yellow]{NOTE}[/yellow]")
+    if draft_block_size is not None and draft_model is None:
+        raise UsageError("--draft-block-size needs --draft-model (a qwen3_5_mtp drafter)")
     loaded = load_pair(model, draft_model, draft_kind)
     text = _read_prompt(prompt)
     ids = _encode(loaded.tokenizer, text, system_prompt, ignore_chat_template)

@@ -198,7 +198,6 @@ def load_pair(model: str, draft_model: str | None, draft_kind: str = "auto") -> 
         check_drafter(drafter_dir)  # refuses with what the directory is and how to get a drafter
     kind = resolve_draft_kind(draft_kind, drafter_type, tcfg.model_type)
     dcfg = check_drafter(drafter_dir, tcfg) if kind == "mtp" else None
-    read_inventory(target_dir)
     tokenizer = load_tokenizer(target_dir, tcfg.eos_token_ids)
     target = load_target(target_dir, tcfg)
     drafter = load_drafter(drafter_dir, dcfg, target.embed_tokens) if dcfg else None

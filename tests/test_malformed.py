@@ -218,6 +218,7 @@ def test_missing_model(ref, capsys):
 
 def test_usage_errors(ckpts, capsys):
     t = str(ckpts.target())
+    _assert_cli_error(["generate", "-m", t, "-p", "x", "--draft-block-size", "3"], capsys)
     for extra in (
         ["--temp", "-1"],
         ["--top-p", "0"],
