@@ -129,3 +129,20 @@ def test_cuda_kernel_chain_parity(T, dtype):
     y, final, states = gd.gated_delta_native(*args, keep_states=True)
     cy, cfinal, cstates = _chain(lambda *a: gd.gated_delta_native(*a), *args)
     assert _bitwise(y, cy) and _bitwise(final, cfinal) and _bitwise(states, cstates)
+
+
+def test_metal_source_mirrors_cuda_line_by_line():
+    """The Metal kernel cannot run here; keep it a line-for-line mirror of the tested CUDA one."""
+    metal_to_cuda = [
+        ("thread_position_in_threadgroup.x", "threadIdx.x"),
+        ("thread_position_in_grid.y", "blockIdx.y * blockDim.y + threadIdx.y"),
+        ("thread_position_in_grid.z", "blockIdx.z"),
+        ("device ", ""),
+        ("ushort off", "int off"),
+        ("simd_shuffle_xor(kv, off)", "__shfl_xor_sync(0xffffffffu, kv, off)"),
+        ("simd_shuffle_xor(o, off)", "__shfl_xor_sync(0xffffffffu, o, off)"),
+    ]
+    metal = gd._METAL_SOURCE + gd._KEEP_METAL
+    for a, b in metal_to_cuda:
+        metal = metal.replace(a, b)
+    assert metal.splitlines() == (gd._CUDA_SOURCE + gd._KEEP_CUDA).splitlines()
