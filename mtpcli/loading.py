@@ -184,7 +184,8 @@ def load_pair(model: str, draft_model: str | None, draft_kind: str = "auto") -> 
 
     target_dir = resolve_path(model, "model")
     target_type = peek_model_type(target_dir)
-    drafter_dir = resolve_path(draft_model, "draft model") if draft_model else None
+    use_drafter = draft_model is not None and draft_kind != "none"  # none ignores the drafter
+    drafter_dir = resolve_path(draft_model, "draft model") if use_drafter else None
     if draft_kind == "mtp" and target_type not in MTP_TARGET_TYPES:
         raise TargetNotMTPCapableError(
             f"--draft-kind mtp needs an MTP-capable target; the target's model_type is "
@@ -193,7 +194,7 @@ def load_pair(model: str, draft_model: str | None, draft_kind: str = "auto") -> 
     if target_type in DRAFTER_TYPES:
         raise UsageError(f"{target_dir} is a {target_type} drafter; pass it as --draft-model")
     tcfg = load_config(target_dir)
-    drafter_type = peek_model_type(drafter_dir) if drafter_dir and draft_kind != "none" else None
+    drafter_type = peek_model_type(drafter_dir) if drafter_dir else None
     if drafter_type in TARGET_TYPES:
         check_drafter(drafter_dir)  # refuses with what the directory is and how to get a drafter
     kind = resolve_draft_kind(draft_kind, drafter_type, tcfg.model_type)

@@ -99,3 +99,8 @@ def test_mtp_num_hidden_layers_is_not_a_signal(ckpts):
     t = ckpts.target()
     assert load_config(t).text.mtp_num_hidden_layers == 1
     assert load_pair(str(t), None).draft_kind == "none"
+
+
+def test_draft_kind_none_ignores_the_drafter_entirely(ckpts):
+    loaded = load_pair(str(ckpts.target()), "/no/such/drafter", "none")
+    assert loaded.draft_kind == "none" and loaded.drafter is None
