@@ -374,7 +374,7 @@ def run(argv: list[str] | None = None) -> int:
             raise
         err.print(f"[bold red]error:[/bold red] {e}", soft_wrap=True)
         return e.exit_code
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, KeyboardInterrupt):
         err.print("aborted")
         return 130
     except click.exceptions.ClickException as e:
