@@ -24,6 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtpcli import kernels, synthetic
+from mtpcli.bench import forward_cost
+from mtpcli.bench import timed_ms as timed
 from mtpcli.engine.classic import generate_classic
 from mtpcli.kernels import gated_delta as gd
 from mtpcli.models import qwen3_5 as tm
@@ -31,40 +33,21 @@ from mtpcli.models import qwen3_5 as tm
 TS = (1, 2, 3, 4, 8)
 
 
-def timed(fn, repeats: int, warmup: int = 2) -> dict:
-    for _ in range(warmup):
-        fn()
-    mx.synchronize()
-    ms = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        mx.synchronize()
-        ms.append((time.perf_counter() - t0) * 1000)
-    return {"median": statistics.median(ms), "min": min(ms), "max": max(ms), "n": repeats}
-
-
-def _snapshot(cache):
-    return [c.offset if hasattr(c, "offset") else list(c.cache) for c in cache]
-
-
-def _restore(cache, saved):
-    for c, s in zip(cache, saved, strict=True):
-        if hasattr(c, "offset"):
-            c.offset = s
-        else:
-            c.cache = list(s)
-
-
-def forward_cost(target, cache, T: int, verify: bool, repeats: int) -> dict:
+def mlx_lm_forward_cost(target, prompt: mx.array, T: int, repeats: int) -> dict:
+    """mlx-lm's own forward of T tokens (its caches, its gated-delta path), same weights."""
+    cache = target.model.make_cache()
+    target.model(prompt, cache=cache)
+    mx.eval([c.state for c in cache])
     x = mx.random.randint(0, 1000, (1, T))
-    saved = _snapshot(cache)
+    saved = [(c.offset,) if hasattr(c, "offset") else (list(c.cache),) for c in cache]
 
     def run():
-        out = target.forward(x, cache, verify=verify)
-        logits = target.lm_head(out.hidden, exact=verify)
-        mx.eval(logits, tm.cache_arrays(cache))
-        _restore(cache, saved)
+        mx.eval(target.model(x, cache=cache))
+        for c, (s,) in zip(cache, saved, strict=True):
+            if hasattr(c, "offset"):
+                c.offset = s
+            else:
+                c.cache = list(s)
 
     return timed(run, repeats)
 
@@ -207,6 +190,14 @@ def main() -> None:
     args = ap.parse_args()
 
     load_before = os.getloadavg()
+
+    def save(res: dict) -> None:
+        # Written after each section, so a run cut short by a time limit still leaves its data.
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            name = args.name or f"verify_{args.shape}_{args.bits}bit"
+            (args.out / f"{name}.partial.json").write_text(json.dumps(res, indent=1, default=str))
+
     t0 = time.time()
     bits = None if args.bits == 16 else args.bits
     target, _ = synthetic.build(args.shape, bits=bits)
@@ -225,6 +216,10 @@ def main() -> None:
     res["prefill_ms"] = {T: forward_cost(target, cache, T, False, args.repeats) for T in TS}
     print("prefill", {T: round(v["median"], 2) for T, v in res["prefill_ms"].items()}, flush=True)
     res["ms"] = {T: v["median"] for T, v in res["verify_ms"].items()}
+    res["mlx_lm_forward_ms"] = {T: mlx_lm_forward_cost(target, prompt, T, args.repeats) for T in TS}
+    res["mlx_lm_ms"] = {T: v["median"] for T, v in res["mlx_lm_forward_ms"].items()}
+    print("mlx-lm forward", {T: round(v, 2) for T, v in res["mlx_lm_ms"].items()}, flush=True)
+    save(res)
     res["row_policy"] = {_op_name(key): ok for key, ok in target.policy.verdicts.items()}
     res["ratio"] = {T: res["ms"][T] / res["ms"][1] for T in TS}
     res["gated_delta_48_layers_ms"] = {
@@ -232,6 +227,7 @@ def main() -> None:
         "ops": {T: gated_delta_alone(T, False, args.repeats) for T in TS},
     }
     print("gated delta", json.dumps(res["gated_delta_48_layers_ms"], default=str)[:400], flush=True)
+    save(res)
     if not args.quick:
         res["row_invariance"] = row_invariance(bits)
         print("row invariance", res["row_invariance"], flush=True)
@@ -248,9 +244,10 @@ def main() -> None:
                 "rest": total - (total - no_gd) - (total - no_attn) - mm,
             }  # fmt: skip
         print("breakdown", json.dumps(res["breakdown_ms"])[:600], flush=True)
+        save(res)
         ids = prompt[0].tolist()
         res["classic_tps"] = classic_tps(target, ids, args.decode_tokens, 3)
-        res["mlx_lm_ms"] = {"decode_T1": 1000 / res["classic_tps"]["mlx_lm"]["median"]}
+        res["mlx_lm_decode_ms"] = 1000 / res["classic_tps"]["mlx_lm"]["median"]
         print("classic tok/s", res["classic_tps"], flush=True)
     res["load_before"], res["load_after"] = load_before, os.getloadavg()
     if args.out:
@@ -293,15 +290,16 @@ def _markdown(res: dict, args) -> str:
         f"--repeats {args.repeats}`. Times in ms, median (min-max) of {args.repeats}; "
         f"forward of T tokens after a {res['prompt_tokens']}-token prompt, LM head included.",
         "",
-        "| T | verify path | plain prefill path | verify / T=1 | gated delta x48, ours | "
-        "gated delta x48, ops loop (mlx-lm off Apple GPUs) |",
-        "|---|---|---|---|---|---|",
+        "| T | verify path | plain prefill path | verify / T=1 | mlx-lm forward | "
+        "gated delta x48, ours | gated delta x48, ops loop (mlx-lm off Apple GPUs) |",
+        "|---|---|---|---|---|---|---|",
     ]
     gdn = res["gated_delta_48_layers_ms"]
     for T in TS:
         lines.append(
             f"| {T} | {cell(res['verify_ms'][T])} | {cell(res['prefill_ms'][T])} | "
-            f"{res['ratio'][T]:.2f} | {cell(gdn['native'][T])} | {cell(gdn['ops'][T])} |"
+            f"{res['ratio'][T]:.2f} | {cell(res['mlx_lm_forward_ms'][T])} | "
+            f"{cell(gdn['native'][T])} | {cell(gdn['ops'][T])} |"
         )
     if "breakdown_ms" in res:
         lines += ["", "Per-op breakdown of the verify path (ms; gated delta and attention by "
