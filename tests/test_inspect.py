@@ -63,3 +63,20 @@ def test_reads_no_tensor_data(ckpts, tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(mx, "load", lambda *a, **k: pytest.fail("tensor data was read"))
     assert _inspect(ckpts.target(bits=4), capsys)["tensor_count"] > 0
+
+
+def test_extract_drafter_command(ckpts, tmp_path, capsys):
+    out = tmp_path / "drafter"
+    assert run(["extract-drafter", str(ckpts.target(layout="raw")), str(out)]) == 0
+    info = _inspect(out, capsys)
+    assert info["drafter_ok"] is True and info["tensor_count"] == 15 and info["block_size"] == 3
+    # Not from a checkpoint without MTP tensors, and never over a non-empty directory.
+    capsys.readouterr()
+    assert run(["extract-drafter", str(ckpts.target()), str(tmp_path / "x")]) != 0
+    assert "no mtp.* tensors" in capsys.readouterr().err
+    assert run(["extract-drafter", str(ckpts.target(layout="raw")), str(out)]) != 0
+
+
+def test_sharded_raw_checkpoint(ckpts, capsys):
+    info = _inspect(ckpts.target(layout="raw", shards=3), capsys)
+    assert info["layout"] == "raw checkpoint with MTP tensors" and info["mtp_tensor_count"] == 15
