@@ -19,6 +19,7 @@ import mlx.core as mx
 from .engine import GenerationStats
 from .engine.classic import generate_classic
 from .engine.mtp import draft, generate_mtp
+from .kernels import backend as kernel_backend
 from .models.qwen3_5 import cache_arrays
 
 DEFAULT_PROMPTS = [
@@ -49,7 +50,7 @@ def machine() -> dict:
     else:
         info = mx.device_info()
         device = str(info.get("device_name", "gpu"))
-        backend = "metal" if mx.metal.is_available() else "cuda"
+        backend = kernel_backend()
     return {
         "backend": backend,
         "device": device,

@@ -13,7 +13,7 @@ from mtpcli.engine.mtp import generate_mtp
 from mtpcli.fixtures import tiny_text_config, write_drafter, write_target
 from mtpcli.loading import load_pair
 
-pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+pytestmark = pytest.mark.skipif(not kernels.available("cuda"), reason="needs MLX's CUDA backend")
 
 MID = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 256,
        "linear_num_key_heads": 4, "linear_num_value_heads": 12, "linear_key_head_dim": 128,

@@ -10,7 +10,7 @@ from mtpcli import kernels
 from mtpcli.errors import UsageError
 from mtpcli.kernels import gated_delta as gd
 
-cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+cuda = pytest.mark.skipif(not kernels.available("cuda"), reason="needs MLX's CUDA backend")
 
 
 def _inputs(T=5, B=1, hk=2, hv=4, dk=32, dv=16, dtype=mx.bfloat16, seed=0):

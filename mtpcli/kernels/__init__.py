@@ -32,13 +32,19 @@ def mode() -> str:
     return _state["mode"]
 
 
+def available(name: str) -> bool:
+    """Whether MLX was built with backend ``name`` ("cuda" or "metal") and it has a device."""
+    module = getattr(mx, name, None)  # a build need not carry every backend's module
+    return bool(module is not None and module.is_available())
+
+
 def backend() -> str:
     """'cuda', 'metal' or 'cpu': where the default device's kernels would run."""
     if mx.default_device() == mx.cpu:
         return "cpu"
-    if mx.metal.is_available():
+    if available("metal"):
         return "metal"
-    return "cuda" if mx.cuda.is_available() else "cpu"
+    return "cuda" if available("cuda") else "cpu"
 
 
 def use_native(name: str, key: tuple, check: Callable[[], str | None]) -> bool:

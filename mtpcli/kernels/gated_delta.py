@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import backend, use_native
+from . import available, backend, use_native
 
 
 @mx.compile
@@ -158,7 +158,7 @@ _kernels: dict = {}
 
 
 def _build_cuda(keep: bool):
-    if not mx.cuda.is_available():
+    if not available("cuda"):
         return None
     outputs = ["y", "state_out"] + (["states"] if keep else [])
     return mx.fast.cuda_kernel(
@@ -170,7 +170,7 @@ def _build_cuda(keep: bool):
 
 
 def _build_metal(keep: bool):
-    if not mx.metal.is_available():
+    if not available("metal"):
         return None
     outputs = ["y", "state_out"] + (["states"] if keep else [])
     return mx.fast.metal_kernel(
