@@ -34,6 +34,14 @@ SHAPES: dict[str, dict] = {
         "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
         "tie_word_embeddings": True,
     },
+    # Small enough for a CPU smoke test, with the real head dimensions.
+    "tiny": {
+        "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 256,
+        "rms_norm_eps": 1e-6, "vocab_size": 1024, "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
+    },
 }  # fmt: skip
 
 

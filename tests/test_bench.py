@@ -46,3 +46,14 @@ def test_bad_bench_arguments(capsys):
         capsys.readouterr()
         assert run(["bench", *args]) != 0
         assert "error:" in capsys.readouterr().err
+
+
+def test_synthetic_shape_and_prompts_file(capsys, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\n\nsecond prompt, a little longer\n")
+    doc = _bench(capsys, "--synthetic", "tiny", "--bits", "4", "--prompts", str(prompts),
+                 "--block-size", "2", "--no-verify-table")  # fmt: skip
+    assert doc["settings"]["prompts"] == 2 and "synthetic tiny 4-bit" in doc["settings"]["model"]
+    assert doc["arms"]["mtp-2"]["same_tokens_as_classic"] is True
+    capsys.readouterr()
+    assert run(["bench", "--prompts", str(tmp_path / "missing.txt")]) != 0
