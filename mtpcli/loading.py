@@ -28,8 +28,8 @@ from .errors import (
 from .weights import (
     MTP_PREFIX,
     TensorInfo,
-    _quantize,
     check_inventory,
+    quantize_like,
     read_inventory,
     sanitize_drafter,
 )
@@ -141,7 +141,7 @@ def check_drafter(drafter_dir: Path, target: ModelConfig | None = None) -> Model
         )
     module = Qwen35MTP(config)
     weights = sanitize_drafter(_placeholders(inv))
-    _quantize(module, config.quantization, weights)
+    quantize_like(module, config.quantization, weights)
     expected = {k: (v.shape, v.dtype) for k, v in tree_flatten(module.parameters())}
     check_inventory(expected, weights, f"drafter {drafter_dir}")
     if target is not None:

@@ -170,7 +170,7 @@ def sanitize_drafter(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
-def _quantize(module, quantization: dict | None, weights: dict[str, mx.array]) -> None:
+def quantize_like(module, quantization: dict | None, weights: dict[str, mx.array]) -> None:
     """Quantize the layers the checkpoint stores quantized (per-module overrides honoured)."""
     import mlx.nn as nn
 
@@ -235,7 +235,7 @@ def load_module_weights(
     """Quantize ``module`` like the checkpoint, check the inventory, then load and evaluate."""
     from mlx.utils import tree_flatten
 
-    _quantize(module, quantization, weights)
+    quantize_like(module, quantization, weights)
     expected = {k: (v.shape, v.dtype) for k, v in tree_flatten(module.parameters())}
     check_inventory(expected, weights, where)
     module.load_weights(list(weights.items()), strict=True)
