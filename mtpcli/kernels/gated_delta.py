@@ -157,28 +157,26 @@ _INPUTS = ["q", "k", "v", "g", "beta", "state_in"]
 _kernels: dict = {}
 
 
+def _spec(source: str, keep_block: str, keep: bool) -> dict:
+    """The arguments both backends' kernel factories take, for one variant."""
+    return {
+        "name": f"mtp_gated_delta{'_keep' if keep else ''}",
+        "input_names": _INPUTS,
+        "output_names": ["y", "state_out"] + (["states"] if keep else []),
+        "source": source.replace("KEEP_STATES", keep_block if keep else ""),
+    }
+
+
 def _build_cuda(keep: bool):
     if not available("cuda"):
         return None
-    outputs = ["y", "state_out"] + (["states"] if keep else [])
-    return mx.fast.cuda_kernel(
-        name=f"mtp_gated_delta{'_keep' if keep else ''}",
-        input_names=_INPUTS,
-        output_names=outputs,
-        source=_CUDA_SOURCE.replace("KEEP_STATES", _KEEP_CUDA if keep else ""),
-    )
+    return mx.fast.cuda_kernel(**_spec(_CUDA_SOURCE, _KEEP_CUDA, keep))
 
 
 def _build_metal(keep: bool):
     if not available("metal"):
         return None
-    outputs = ["y", "state_out"] + (["states"] if keep else [])
-    return mx.fast.metal_kernel(
-        name=f"mtp_gated_delta{'_keep' if keep else ''}",
-        input_names=_INPUTS,
-        output_names=outputs,
-        source=_METAL_SOURCE.replace("KEEP_STATES", _KEEP_METAL if keep else ""),
-    )
+    return mx.fast.metal_kernel(**_spec(_METAL_SOURCE, _KEEP_METAL, keep))
 
 
 def _kernel(keep: bool):
