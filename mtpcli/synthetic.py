@@ -75,7 +75,8 @@ def _set(module: nn.Module, dotted: str, value: mx.array) -> None:
 def build(name: str, bits: int | None = 4, group_size: int = 64, seed: int = 0):
     """A (target, drafter) pair of shape ``name`` with random weights; bits None = bf16."""
     text = dict(SHAPES[name], model_type="qwen3_5_text")
-    cfg = ModelConfig("qwen3_5", TextConfig.from_dict(text, "qwen3_5"), None, (), None, True)
+    quant = {"group_size": group_size, "bits": bits, "mode": "affine"} if bits else None
+    cfg = ModelConfig("qwen3_5", TextConfig.from_dict(text, "qwen3_5"), quant, (), None, True)
     model = build_model(cfg)
     if bits:
         nn.quantize(model, group_size=group_size, bits=bits)
