@@ -20,6 +20,7 @@ from .engine import GenerationStats
 from .engine.classic import generate_classic
 from .engine.mtp import draft, generate_mtp
 from .kernels import backend as kernel_backend
+from .kernels.quantized_matmul import stock_layers
 from .models.qwen3_5 import cache_arrays
 
 DEFAULT_PROMPTS = [
@@ -271,10 +272,11 @@ def _mlx_lm_greedy(target, prompt: list[int], max_tokens: int, stats: Generation
     """mlx-lm's own decoding loop on the same module (the classic peer)."""
     from mlx_lm.generate import generate_step
 
-    gen = generate_step(mx.array(prompt), target.model, max_tokens=max_tokens)
-    tokens = [int(next(gen)[0])]
-    start = time.perf_counter()
-    tokens += [int(t) for t, _ in gen]
+    with stock_layers(target.model):  # mlx's own quantized matmuls, as mlx-lm runs them
+        gen = generate_step(mx.array(prompt), target.model, max_tokens=max_tokens)
+        tokens = [int(next(gen)[0])]
+        start = time.perf_counter()
+        tokens += [int(t) for t, _ in gen]
     stats.generation_tokens = len(tokens) - 1
     stats.generation_s = time.perf_counter() - start
     stats.peak_memory_gb = mx.get_peak_memory() / 1e9

@@ -28,6 +28,7 @@ from mtpcli.bench import forward_cost
 from mtpcli.bench import timed_ms as timed
 from mtpcli.engine.classic import generate_classic
 from mtpcli.kernels import gated_delta as gd
+from mtpcli.kernels.quantized_matmul import stock_layers
 from mtpcli.models import qwen3_5 as tm
 
 TS = (1, 2, 3, 4, 8)
@@ -36,13 +37,15 @@ TS = (1, 2, 3, 4, 8)
 def mlx_lm_forward_cost(target, prompt: mx.array, T: int, repeats: int) -> dict:
     """mlx-lm's own forward of T tokens (its caches, its gated-delta path), same weights."""
     cache = target.model.make_cache()
-    target.model(prompt, cache=cache)
+    with stock_layers(target.model):
+        target.model(prompt, cache=cache)
     mx.eval([c.state for c in cache])
     x = mx.random.randint(0, 1000, (1, T))
     saved = [(c.offset,) if hasattr(c, "offset") else (list(c.cache),) for c in cache]
 
     def run():
-        mx.eval(target.model(x, cache=cache))
+        with stock_layers(target.model):
+            mx.eval(target.model(x, cache=cache))
         for c, (s,) in zip(cache, saved, strict=True):
             if hasattr(c, "offset"):
                 c.offset = s
@@ -163,11 +166,12 @@ def classic_tps(target, prompt, n: int, repeats: int) -> dict:
         return (k - 1) / (time.perf_counter() - t0)
 
     def theirs():
-        gen = generate_step(mx.array(prompt), target.model, max_tokens=n)
-        next(gen)
-        t0 = time.perf_counter()
-        k = 1 + sum(1 for _ in gen)
-        return (k - 1) / (time.perf_counter() - t0)
+        with stock_layers(target.model):
+            gen = generate_step(mx.array(prompt), target.model, max_tokens=n)
+            next(gen)
+            t0 = time.perf_counter()
+            k = 1 + sum(1 for _ in gen)
+            return (k - 1) / (time.perf_counter() - t0)
 
     res = {}
     for name, fn in (("ours", ours), ("mlx_lm", theirs)):

@@ -33,7 +33,24 @@ def pair(request, tmp_path_factory):
 def test_native_kernel_is_in_use(pair):
     kernels.reset_verdicts()
     list(generate_classic(pair.target, [1, 2, 3], max_tokens=2))
-    assert kernels._state["verdicts"] and all(kernels._state["verdicts"].values())
+    verdicts = kernels._state["verdicts"]
+    assert verdicts and all(verdicts.values())
+    quantized = pair.target.config.quantization is not None
+    assert any(name == "quantized_matmul" for name, _ in verdicts) == quantized
+
+
+def test_quantized_verify_runs_its_matmuls_batched(pair):
+    # With the quantized-matmul kernel every row of a block is the decode row bitwise, so the
+    # row policy settles on batched products for every quantized layer class it probed.
+    if pair.target.config.quantization is None:
+        pytest.skip("bf16 target: its dense matmuls are not row-invariant on CUDA")
+    policy = pair.target.policy
+    policy.verdicts.clear()
+    policy._seen.clear()
+    for _ in range(2):
+        list(generate_mtp(pair.target, pair.drafter, PROMPTS[2], block_size=3, max_tokens=24))
+    linear = {k: v for k, v in policy.verdicts.items() if "Quantized" in k[0][0]}
+    assert linear and all(linear.values())
 
 
 @pytest.mark.parametrize("block", [2, 3, 4, 8])

@@ -60,11 +60,14 @@ def gated_delta_ops(
     return mx.stack(ys, axis=1), state, (mx.stack(states) if keep_states else None)
 
 
-# One warp (CUDA) / SIMD-group (Metal) per value row: lane l holds Dk/32 state columns, the two
-# dot products are butterfly reductions over the 32 lanes in a fixed order. The Metal source
-# mirrors the CUDA source line by line.
+# T and B are read from k's shape at run time, so one compiled variant serves every block and
+# prompt length. One warp (CUDA) / SIMD-group (Metal) per value row: lane l holds Dk/32 state
+# columns, the two dot products are butterfly reductions over the 32 lanes in a fixed order.
+# The Metal source mirrors the CUDA source line by line.
 _CUDA_SOURCE = """
     constexpr int NPT = Dk / 32;
+    const int B = k_shape[0];
+    const int T = k_shape[1];
     const int lane = threadIdx.x;
     const int dv = blockIdx.y * blockDim.y + threadIdx.y;
     const int n = blockIdx.z;
@@ -105,6 +108,8 @@ _CUDA_SOURCE = """
 
 _METAL_SOURCE = """
     constexpr int NPT = Dk / 32;
+    const int B = k_shape[0];
+    const int T = k_shape[1];
     const int lane = thread_position_in_threadgroup.x;
     const int dv = thread_position_in_grid.y;
     const int n = thread_position_in_grid.z;
@@ -203,8 +208,6 @@ def gated_delta_native(q, k, v, g, beta, state, *, keep_states: bool = False):
             ("Dv", Dv),
             ("Hk", Hk),
             ("Hv", Hv),
-            ("T", T),
-            ("B", B),
         ],  # fmt: skip
         grid=(32, Dv, B * Hv),
         threadgroup=(32, 4, 1),

@@ -22,6 +22,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..config import ModelConfig
+from ..kernels import quantized_matmul
 from ..kernels.gated_delta import gated_delta
 from ..weights import load_arrays, load_module_weights
 
@@ -156,6 +157,7 @@ class Qwen35Target:
     def __init__(self, model: nn.Module, config: ModelConfig):
         self.model = model  # mlx-lm's Model: parameters and checkpoint names
         self.config = config
+        quantized_matmul.install(model)  # decode and verify rows share one product kernel
         self.text = model.language_model
         self.policy = RowPolicy()
 

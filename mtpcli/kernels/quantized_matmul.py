@@ -1,0 +1,430 @@
+"""Affine-quantized matmul for 1-8 rows that reads each weight once, row-invariant by construction.
+
+MLX's quantized matrix-vector kernel re-reads the weights for every row of a 2-8 row input, so
+a verify block of T positions costs about T decode steps in the matmuls. Here one launch serves
+M = 1..8 rows: the weights are dequantized once (to the activations' dtype, one rounding) and
+multiplied with a tensor-core ``mma.m16n8k16`` whose 8 columns are the M rows of x (unused
+columns are zeros). Every output row is computed by the same instructions in the same order
+whatever M is, so a verify row equals the decode row bitwise; the self-check confirms that on
+the running GPU before the kernel is trusted.
+
+Layout (MLX's affine quantization, as mlx-community checkpoints store it): ``w`` [N, K*bits/32]
+uint32, value i of a word in bits [bits*i, bits*(i+1)); ``scales``, ``biases`` [N, K/group];
+weight = scale * q + bias.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import available, backend, use_native
+
+MAX_ROWS = 8  # the mma's n dimension
+WARPS = 8  # split-K warps per 16-row tile, reduced in a fixed order
+GROUP_SIZES = (32, 64, 128)
+BITS = (4, 8)
+
+
+def quantized_matmul_ops(x, w, scales, biases, *, group_size: int, bits: int) -> mx.array:
+    """Ops reference: x [..., K] times the dequantized w [N, K] transposed -> [..., N]."""
+    return mx.quantized_matmul(
+        x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits
+    )
+
+
+_HEADER_CUDA = """
+__device__ __forceinline__ uint32_t qm_as_u32(__nv_bfloat162 v) {
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t qm_as_u32(__half2 v) {
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// N consecutive 32-bit words (16 or 8 bytes, aligned) in one load.
+template <int N>
+__device__ __forceinline__ void qm_load(uint32_t* dst, const uint32_t* src) {
+  if constexpr (N == 4) {
+    const uint4 v = *reinterpret_cast<const uint4*>(src);
+    dst[0] = v.x, dst[1] = v.y, dst[2] = v.z, dst[3] = v.w;
+  } else {
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    dst[0] = v.x, dst[1] = v.y;
+  }
+}
+
+// Two quantized integers of a word as a pair of the activation type: values i and i + VPW/2.
+template <int BITS>
+__device__ __forceinline__ __nv_bfloat162 qm_ints(uint32_t w, int i, __nv_bfloat16) {
+  constexpr uint32_t MASK = ((1u << BITS) - 1u) * 0x00010001u;
+  const uint32_t u = (w >> (BITS * i)) & MASK;
+  if constexpr (BITS == 4) {  // 128 + q is exact in bfloat16 for q < 128
+    const uint32_t m = u | 0x43004300u;
+    const uint32_t c = 0x43004300u;
+    return __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&m),
+                   *reinterpret_cast<const __nv_bfloat162*>(&c));
+  } else {
+    return __floats2bfloat162_rn(static_cast<float>(u & 0xFFFFu), static_cast<float>(u >> 16));
+  }
+}
+
+template <int BITS>
+__device__ __forceinline__ __half2 qm_ints(uint32_t w, int i, __half) {
+  constexpr uint32_t MASK = ((1u << BITS) - 1u) * 0x00010001u;
+  const uint32_t m = ((w >> (BITS * i)) & MASK) | 0x64006400u;  // 1024 + q, exact for q < 1024
+  const uint32_t c = 0x64006400u;
+  return __hsub2(*reinterpret_cast<const __half2*>(&m), *reinterpret_cast<const __half2*>(&c));
+}
+
+__device__ __forceinline__ void qm_mma(
+    float* c, const uint32_t* a, const uint32_t* b, __nv_bfloat16) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ void qm_mma(
+    float* c, const uint32_t* a, const uint32_t* b, __half) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+"""
+
+# A warp owns a 16-row tile and every WARPS-th 16-word stretch of K. Lane (g, t) = (lane / 4,
+# lane % 4) dequantizes 4 words of rows g and g + 8 and loads x row g at the same k: exactly the
+# A and B fragments of m16n8k16, up to a permutation of k inside each mma, which is the same for
+# A and B and so leaves each product's terms unchanged. The warps' partial tiles are added in
+# warp order. x rows g >= M are zeros; nothing else depends on M.
+_CUDA_SOURCE = """
+    constexpr int VPW = 32 / BITS;              // values per word
+    constexpr int STEPS = VPW / 4;              // mma k-steps per word
+    constexpr int XW = VPW / 2;                 // x words (2 values each) per weight word
+    using XT2 = decltype(qm_ints<BITS>(0u, 0, XT{}));
+    const int M = x_shape[0];
+    const int K = x_shape[1];
+    const int N = w_shape[0];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int r_lo = blockIdx.x * 16 + g;
+    const int r_hi = r_lo + 8;
+    const int words = K / VPW;
+    const int groups = K / GS;
+    const int stretches = words / 16;
+    const size_t lo = min(r_lo, N - 1), hi = min(r_hi, N - 1);  // rows past N: any row, unused
+    const uint32_t* w_lo = w + lo * words;
+    const uint32_t* w_hi = w + hi * words;
+    const uint32_t* x_g = reinterpret_cast<const uint32_t*>(x) + (size_t)min(g, M - 1) * (K / 2);
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // The next stretch's weights and scales are requested before this one's products, so a
+    // warp keeps two stretches of loads in flight.
+    uint4 ql = {0u, 0u, 0u, 0u}, qh = ql;
+    ST sl = scales[lo * groups], bl = biases[lo * groups], sh = sl, bh = bl;
+    auto fetch = [&](int st) {
+      const int word0 = st * 16 + t * 4;
+      const int grp = (word0 * VPW) / GS;
+      ql = *reinterpret_cast<const uint4*>(w_lo + word0);
+      qh = *reinterpret_cast<const uint4*>(w_hi + word0);
+      sl = scales[lo * groups + grp];
+      bl = biases[lo * groups + grp];
+      sh = scales[hi * groups + grp];
+      bh = biases[hi * groups + grp];
+    };
+    if (warp < stretches) fetch(warp);
+    for (int st = warp; st < stretches; st += WARPS) {
+      const int word0 = st * 16 + t * 4;
+      const uint32_t wl[4] = {ql.x, ql.y, ql.z, ql.w};
+      const uint32_t wh[4] = {qh.x, qh.y, qh.z, qh.w};
+      const XT s_lo = static_cast<XT>(static_cast<float>(sl));
+      const XT b_lo = static_cast<XT>(static_cast<float>(bl));
+      const XT s_hi = static_cast<XT>(static_cast<float>(sh));
+      const XT b_hi = static_cast<XT>(static_cast<float>(bh));
+      const XT2 s2_lo = {s_lo, s_lo}, b2_lo = {b_lo, b_lo};
+      const XT2 s2_hi = {s_hi, s_hi}, b2_hi = {b_hi, b_hi};
+      if (st + WARPS < stretches) fetch(st + WARPS);
+      for (int j = 0; j < 4; ++j) {
+        uint32_t xv[XW];
+        if (g < M) {
+          qm_load<XW>(xv, x_g + (word0 + j) * XW);
+        } else {
+          for (int i = 0; i < XW; ++i) xv[i] = 0u;
+        }
+        for (int s = 0; s < STEPS; ++s) {
+          uint32_t a[4], b[2];
+          a[0] = qm_as_u32(__hfma2(qm_ints<BITS>(wl[j], 2 * s, XT{}), s2_lo, b2_lo));
+          a[1] = qm_as_u32(__hfma2(qm_ints<BITS>(wh[j], 2 * s, XT{}), s2_hi, b2_hi));
+          a[2] = qm_as_u32(__hfma2(qm_ints<BITS>(wl[j], 2 * s + 1, XT{}), s2_lo, b2_lo));
+          a[3] = qm_as_u32(__hfma2(qm_ints<BITS>(wh[j], 2 * s + 1, XT{}), s2_hi, b2_hi));
+          b[0] = __byte_perm(xv[s], xv[s + STEPS], 0x5410);
+          b[1] = __byte_perm(xv[s], xv[s + STEPS], 0x7632);
+          qm_mma(c, a, b, XT{});
+        }
+      }
+    }
+    __shared__ float part[WARPS * 32 * 4];
+    for (int i = 0; i < 4; ++i) part[(warp * 32 + lane) * 4 + i] = c[i];
+    __syncthreads();
+    if (warp == 0) {
+      for (int i = 0; i < 4; ++i) {
+        float acc = part[lane * 4 + i];
+        for (int v = 1; v < WARPS; ++v) acc = acc + part[(v * 32 + lane) * 4 + i];
+        const int row = i < 2 ? r_lo : r_hi;
+        const int m = 2 * t + (i & 1);
+        if (row < N && m < M) y[(size_t)m * N + row] = static_cast<XT>(acc);
+      }
+    }
+"""
+
+# Metal has no m16n8k16; the same tile, split-K and warp-order reduction, with lane (g, t)
+# accumulating its rows' products for every x row itself and the 4 lanes of a row added last.
+_METAL_SOURCE = """
+    constexpr int VPW = 32 / BITS;
+    constexpr uint MASK = (1u << BITS) - 1u;
+    const int M = x_shape[0];
+    const int K = x_shape[1];
+    const int N = w_shape[0];
+    const int lane = thread_index_in_simdgroup;
+    const int warp = simdgroup_index_in_threadgroup;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int r_lo = threadgroup_position_in_grid.x * 16 + g;
+    const int r_hi = r_lo + 8;
+    const int words = K / VPW;
+    const int groups = K / GS;
+    const int stretches = words / 16;
+    const size_t lo = min(r_lo, N - 1), hi = min(r_hi, N - 1);  // rows past N: any row, unused
+    device const uint32_t* w_lo = w + lo * words;
+    device const uint32_t* w_hi = w + hi * words;
+    float c_lo[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float c_hi[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int st = warp; st < stretches; st += WARPS) {
+      const int word0 = st * 16 + t * 4;
+      const int grp = (word0 * VPW) / GS;
+      const float s_lo = static_cast<float>(scales[lo * groups + grp]);
+      const float b_lo = static_cast<float>(biases[lo * groups + grp]);
+      const float s_hi = static_cast<float>(scales[hi * groups + grp]);
+      const float b_hi = static_cast<float>(biases[hi * groups + grp]);
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t ql = w_lo[word0 + j];
+        const uint32_t qh = w_hi[word0 + j];
+        for (int i = 0; i < VPW; ++i) {
+          const int k = (word0 + j) * VPW + i;
+          // dequantized and rounded to x's dtype, as the CUDA kernel's A fragments are
+          const float wl = float(XT(fma(float((ql >> (BITS * i)) & MASK), s_lo, b_lo)));
+          const float wh = float(XT(fma(float((qh >> (BITS * i)) & MASK), s_hi, b_hi)));
+          for (int m = 0; m < 8; ++m) {
+            if (m < M) {
+              const float xm = static_cast<float>(x[(size_t)m * K + k]);
+              c_lo[m] = fma(xm, wl, c_lo[m]);
+              c_hi[m] = fma(xm, wh, c_hi[m]);
+            }
+          }
+        }
+      }
+    }
+    for (int m = 0; m < 8; ++m) {
+      for (ushort off = 1; off < 4; off <<= 1) {
+        c_lo[m] = c_lo[m] + simd_shuffle_xor(c_lo[m], off);
+        c_hi[m] = c_hi[m] + simd_shuffle_xor(c_hi[m], off);
+      }
+    }
+    threadgroup float part[WARPS * 16 * 8];
+    if (t == 0) {
+      for (int m = 0; m < 8; ++m) {
+        part[(warp * 16 + g) * 8 + m] = c_lo[m];
+        part[(warp * 16 + g + 8) * 8 + m] = c_hi[m];
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (warp == 0 && lane < 16) {
+      const int row = threadgroup_position_in_grid.x * 16 + lane;
+      for (int m = 0; m < M; ++m) {
+        float acc = part[lane * 8 + m];
+        for (int v = 1; v < WARPS; ++v) acc = acc + part[(v * 16 + lane) * 8 + m];
+        if (row < N) y[(size_t)m * N + row] = static_cast<XT>(acc);
+      }
+    }
+"""
+
+_INPUTS = ["x", "w", "scales", "biases"]
+_kernels: dict = {}
+
+
+def _spec(source: str, header: str) -> dict:
+    return {
+        "name": "mtp_qmm",
+        "input_names": _INPUTS,
+        "output_names": ["y"],
+        "source": source,
+        "header": header,
+    }
+
+
+def _build_cuda():
+    if not available("cuda"):
+        return None
+    return mx.fast.cuda_kernel(**_spec(_CUDA_SOURCE, _HEADER_CUDA))
+
+
+def _build_metal():
+    if not available("metal"):
+        return None
+    return mx.fast.metal_kernel(**_spec(_METAL_SOURCE, ""))
+
+
+def _kernel():
+    key = backend()
+    if key not in _kernels:
+        build = {"cuda": _build_cuda, "metal": _build_metal}.get(key)
+        _kernels[key] = build() if build else None
+    return _kernels[key]
+
+
+def quantized_matmul_native(x, w, scales, biases, *, group_size: int, bits: int):
+    """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype; None where there is none."""
+    kernel = _kernel()
+    if kernel is None:
+        return None
+    M, N = x.shape[0], w.shape[0]
+    return kernel(
+        inputs=[x, w, scales, biases],
+        template=[
+            ("XT", x.dtype),
+            ("ST", scales.dtype),
+            ("BITS", bits),
+            ("GS", group_size),
+            ("WARPS", WARPS),
+        ],  # fmt: skip
+        grid=(32 * WARPS * ((N + 15) // 16), 1, 1),
+        threadgroup=(32 * WARPS, 1, 1),
+        output_shapes=[(M, N)],
+        output_dtypes=[x.dtype],
+    )[0]
+
+
+def _random_quantized(n: int, k: int, group_size: int, bits: int, dtype, seed: int):
+    kw, ks, kb = mx.random.split(mx.random.key(seed), 3)
+    w = mx.random.randint(0, 2**31, (n, k * bits // 32), dtype=mx.uint32, key=kw)
+    w = w * 2 + (w & 1)  # all 32 bits random
+    scales = (mx.random.uniform(0.5, 1.5, (n, k // group_size), key=ks) * 0.02).astype(dtype)
+    biases = (mx.random.normal((n, k // group_size), key=kb) * 0.1).astype(dtype)
+    return w, scales, biases
+
+
+def _self_check(dtype, sdtype, group_size: int, bits: int) -> str | None:
+    """Agreement with the reference and row invariance (M = 1, 3, 8), on 40 rows of K = 1024."""
+    n, k = 40, 1024  # 40 rows: a partial last tile
+    w, scales, biases = _random_quantized(n, k, group_size, bits, sdtype, seed=7)
+    x = mx.random.normal((8, k), key=mx.random.key(8)).astype(dtype)
+    kw = {"group_size": group_size, "bits": bits}
+    try:
+        got = {m: quantized_matmul_native(x[:m], w, scales, biases, **kw) for m in (1, 3, 8)}
+        want = quantized_matmul_ops(x, w, scales, biases, **kw)
+        mx.eval(got, want)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
+        return f"{type(e).__name__}: {e}"
+    a, b = got[8].astype(mx.float32), want.astype(mx.float32)
+    err = mx.abs(a - b).max().item()
+    if not err <= 2e-2 * mx.abs(b).max().item():
+        return f"differs from the reference by up to {err:.3g}"
+    for m in (1, 3):
+        if not mx.array_equal(got[m], got[8][:m]).item():
+            return f"rows of an {m}-row product differ from the same rows of an 8-row product"
+    return None
+
+
+def supported(x: mx.array, w: mx.array, group_size: int, bits: int) -> bool:
+    """Whether the native kernel's layout covers this product (else the reference runs)."""
+    k = x.shape[-1]
+    return (
+        x.dtype in (mx.bfloat16, mx.float16)
+        and bits in BITS
+        and group_size in GROUP_SIZES
+        and k % (16 * 32 // bits) == 0
+        and w.ndim == 2
+    )
+
+
+def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int) -> mx.array:
+    """x [..., K] times the dequantized w [N, K] transposed, on the best trusted path."""
+    rows = math.prod(x.shape[:-1])
+    if (
+        backend() != "cpu"
+        and 1 <= rows <= MAX_ROWS
+        and biases is not None
+        and supported(x, w, group_size, bits)
+        and use_native(
+            "quantized_matmul",
+            (backend(), str(x.dtype), str(scales.dtype), group_size, bits),
+            lambda: _self_check(x.dtype, scales.dtype, group_size, bits),
+        )
+    ):
+        out = quantized_matmul_native(
+            x.reshape(rows, x.shape[-1]), w, scales, biases, group_size=group_size, bits=bits
+        )
+        if out is not None:
+            return out.reshape(*x.shape[:-1], w.shape[0])
+    return quantized_matmul_ops(x, w, scales, biases, group_size=group_size, bits=bits)
+
+
+class KernelQuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` whose product runs through ``quantized_matmul``."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = quantized_matmul(
+            x, self["weight"], self["scales"], self.get("biases"),
+            group_size=self.group_size, bits=self.bits,
+        )  # fmt: skip
+        return y + self["bias"] if "bias" in self else y
+
+
+class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` whose tied-head product runs through ``quantized_matmul``."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return quantized_matmul(
+            x, self["weight"], self["scales"], self.get("biases"),
+            group_size=self.group_size, bits=self.bits,
+        )  # fmt: skip
+
+
+_OURS = {nn.QuantizedLinear: KernelQuantizedLinear, nn.QuantizedEmbedding: KernelQuantizedEmbedding}
+_STOCK = {v: k for k, v in _OURS.items()}
+
+
+def install(module: nn.Module, enabled: bool = True) -> int:
+    """Route every affine-quantized linear layer of ``module`` through ``quantized_matmul``.
+
+    The classes are swapped in place (they add no state), so parameters, names and the
+    checkpoint layout stay mlx-lm's; ``enabled=False`` swaps mlx's own classes back. Returns
+    how many layers were swapped.
+    """
+    table = _OURS if enabled else _STOCK
+    swapped = 0
+    for _, m in module.named_modules():
+        cls = table.get(type(m))
+        if cls is not None and getattr(m, "mode", "affine") == "affine":
+            m.__class__ = cls
+            swapped += 1
+    return swapped
+
+
+@contextmanager
+def stock_layers(module: nn.Module) -> Iterator[None]:
+    """Run a block with mlx's own quantized layers (for a peer measured on the same weights)."""
+    install(module, enabled=False)
+    try:
+        yield
+    finally:
+        install(module)

@@ -1,0 +1,143 @@
+"""The quantized-matmul kernel: its routing into every quantized layer, the self-check that keeps
+a wrong or row-variant kernel from being used (on any machine, with fakes), and on CUDA the
+kernel itself against MLX's reference, row by row."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from mtpcli import kernels
+from mtpcli.kernels import quantized_matmul as qm
+
+cuda = pytest.mark.skipif(not kernels.available("cuda"), reason="needs MLX's CUDA backend")
+
+
+@pytest.fixture(autouse=True)
+def fresh_verdicts():
+    kernels.reset_verdicts()
+    yield
+    kernels.reset_verdicts()
+
+
+def _layer_inputs(n=40, k=1024, gs=64, bits=4, dtype=mx.bfloat16, m=8, seed=0):
+    w, scales, biases = qm._random_quantized(n, k, gs, bits, dtype, seed=seed)
+    x = mx.random.normal((m, k), key=mx.random.key(seed + 1)).astype(dtype)
+    return x, w, scales, biases
+
+
+def test_install_routes_every_quantized_layer_and_stock_layers_restores(load):
+    loaded = load(bits=4, drafter_bits=4)
+    target = loaded.target
+    quantized = [m for _, m in target.model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    in_drafter = [m for _, m in loaded.drafter.module.named_modules()
+                  if isinstance(m, nn.QuantizedLinear)]  # fmt: skip
+    assert len(quantized) > 10 and in_drafter
+    assert all(type(m) is qm.KernelQuantizedLinear for m in quantized + in_drafter)
+    embed = target.embed_tokens
+    assert type(embed) is qm.KernelQuantizedEmbedding
+    with qm.stock_layers(target.model):
+        assert all(type(m) is nn.QuantizedLinear for m in quantized)
+        assert type(embed) is nn.QuantizedEmbedding
+    assert all(type(m) is qm.KernelQuantizedLinear for m in quantized)
+    assert qm.install(target.model) == 0  # idempotent: nothing left to swap
+
+
+def _pretend_gpu(monkeypatch, native):
+    monkeypatch.setattr(qm, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(qm, "quantized_matmul_native", native)
+    monkeypatch.setattr(kernels, "mode", lambda: "auto")
+
+
+def _reference_rows(x, w, scales, biases, **kw):
+    # A correct, row-invariant stand-in for a native kernel: the reference one row at a time.
+    return mx.concatenate([qm.quantized_matmul_ops(x[i : i + 1], w, scales, biases, **kw)
+                           for i in range(x.shape[0])])  # fmt: skip
+
+
+def test_a_correct_row_invariant_kernel_is_trusted_and_used(monkeypatch):
+    calls = []
+
+    def native(x, *a, **kw):
+        calls.append(x.shape[0])
+        return _reference_rows(x, *a, **kw)
+
+    _pretend_gpu(monkeypatch, native)
+    x, w, s, b = _layer_inputs()
+    y = qm.quantized_matmul(x[:3].reshape(1, 3, -1), w, s, b, group_size=64, bits=4)
+    assert y.shape == (1, 3, 40)
+    assert calls[-1] == 3  # the product itself went native, after the self-check's calls
+    want = _reference_rows(x[:3], w, s, b, group_size=64, bits=4)
+    assert mx.array_equal(y[0], want).item()
+
+
+def test_a_wrong_kernel_is_refused_with_a_warning(monkeypatch):
+    def native(x, *a, **kw):
+        return _reference_rows(x, *a, **kw) * 1.5
+
+    _pretend_gpu(monkeypatch, native)
+    x, w, s, b = _layer_inputs()
+    with pytest.warns(RuntimeWarning, match="quantized_matmul kernel disagrees"):
+        y = qm.quantized_matmul(x[:2], w, s, b, group_size=64, bits=4)
+    assert mx.array_equal(y, qm.quantized_matmul_ops(x[:2], w, s, b, group_size=64, bits=4)).item()
+
+
+def test_a_kernel_whose_rows_depend_on_m_is_refused(monkeypatch):
+    # Close to the reference (it would pass a tolerance check) but the rows change with M:
+    # exactly what would break MTP == classic.
+    def native(x, *a, **kw):
+        y = _reference_rows(x, *a, **kw)
+        return (y.astype(mx.float32) * (1 + 1e-2 * (x.shape[0] > 1))).astype(y.dtype)
+
+    _pretend_gpu(monkeypatch, native)
+    x, w, s, b = _layer_inputs()
+    with pytest.warns(RuntimeWarning, match="rows of"):
+        qm.quantized_matmul(x[:1], w, s, b, group_size=64, bits=4)
+
+
+def test_unsupported_layouts_and_row_counts_take_the_reference(monkeypatch):
+    calls = []
+
+    def native(x, *a, **kw):
+        calls.append(x.shape)
+        return _reference_rows(x, *a, **kw)
+
+    _pretend_gpu(monkeypatch, native)
+    x, w, s, b = _layer_inputs(k=1024)
+    kw = {"group_size": 64, "bits": 4}
+    qm.quantized_matmul(x[:3].astype(mx.float32), w, s, b, **kw)  # f32 activations
+    qm.quantized_matmul(mx.concatenate([x, x[:1]]), w, s, b, **kw)  # 9 rows
+    assert calls == [] and not qm.supported(x[:, :960], w, 64, 4)  # nor K % 128 != 0
+    qm.quantized_matmul(x[:2], w, s, b, **kw)  # control: a supported product goes native
+    assert calls[-1] == (2, 1024)
+
+
+LAYOUTS = [(bits, gs, mx.bfloat16) for bits in (4, 8) for gs in (32, 64, 128)]
+LAYOUTS += [(4, 64, mx.float16), (8, 64, mx.float16)]
+
+
+@cuda
+@pytest.mark.parametrize("bits,gs,dtype", LAYOUTS)
+def test_cuda_kernel_matches_reference_and_rows_are_bitwise_m_invariant(bits, gs, dtype):
+    x, w, s, b = _layer_inputs(n=72, k=2048, gs=gs, bits=bits, dtype=dtype, seed=bits + gs)
+    kw = {"group_size": gs, "bits": bits}
+    full = qm.quantized_matmul_native(x, w, s, b, **kw)
+    want = qm.quantized_matmul_ops(x, w, s, b, **kw)
+    err = mx.abs(full.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    assert err <= 1e-2 * mx.abs(want.astype(mx.float32)).max().item()
+    for m in range(1, 9):
+        part = qm.quantized_matmul_native(x[:m], w, s, b, **kw)
+        assert part.shape == (m, 72) and part.dtype == dtype
+        assert mx.array_equal(part, full[:m]).item(), f"M={m}"
+
+
+@cuda
+def test_cuda_kernel_passes_its_self_check_and_the_head_shape_runs():
+    for bits in (4, 8):
+        assert qm._self_check(mx.bfloat16, mx.bfloat16, 64, bits) is None
+    x, w, s, b = _layer_inputs(n=248320 // 64, k=5120, m=3)
+    y = qm.quantized_matmul(x, w, s, b, group_size=64, bits=4)
+    want = qm.quantized_matmul_ops(x, w, s, b, group_size=64, bits=4)
+    assert mx.allclose(y.astype(mx.float32), want.astype(mx.float32), atol=0.5, rtol=2e-2).item()
