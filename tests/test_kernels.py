@@ -131,7 +131,9 @@ def test_cuda_kernel_chain_parity(T, dtype):
     assert _bitwise(y, cy) and _bitwise(final, cfinal) and _bitwise(states, cstates)
 
 
-def test_metal_source_mirrors_cuda_line_by_line():
+@pytest.mark.parametrize("raw", [False, True], ids=["plain", "raw"])
+@pytest.mark.parametrize("keep", [False, True], ids=["", "keep"])
+def test_metal_source_mirrors_cuda_line_by_line(keep, raw):
     """The Metal kernel cannot run here; keep it a line-for-line mirror of the tested CUDA one."""
     metal_to_cuda = [
         ("thread_position_in_threadgroup.x", "threadIdx.x"),
@@ -141,8 +143,46 @@ def test_metal_source_mirrors_cuda_line_by_line():
         ("ushort off", "int off"),
         ("simd_shuffle_xor(kv, off)", "__shfl_xor_sync(0xffffffffu, kv, off)"),
         ("simd_shuffle_xor(o, off)", "__shfl_xor_sync(0xffffffffu, o, off)"),
-    ]
-    metal = gd._METAL_SOURCE + gd._KEEP_METAL
+        ("simd_shuffle_xor(sq, off)", "__shfl_xor_sync(0xffffffffu, sq, off)"),
+        ("simd_shuffle_xor(sk, off)", "__shfl_xor_sync(0xffffffffu, sk, off)"),
+        ("rsqrt(", "rsqrtf("), ("exp(", "expf("), ("log(", "logf("), ("fmax(", "fmaxf("),
+        ("fabs(", "fabsf("),
+    ]  # fmt: skip
+    metal = gd._source(True, keep, raw)
     for a, b in metal_to_cuda:
         metal = metal.replace(a, b)
-    assert metal.splitlines() == (gd._CUDA_SOURCE + gd._KEEP_CUDA).splitlines()
+    cuda = gd._source(False, keep, raw)
+    assert metal.splitlines() == cuda.splitlines()
+    assert ("states +" in cuda) == keep and ("A_log[hv]" in cuda) == raw
+
+
+def test_raw_reference_is_mlx_lm_gating_then_the_recurrence():
+    """The ops path from raw inputs is exactly mlx-lm's normalize_qk, compute_g and sigmoid."""
+    from mlx_lm.models.gated_delta import compute_g, normalize_qk
+
+    q, k, v, g, beta, state = _inputs(T=4, dk=64, dv=16, dtype=mx.bfloat16, seed=3)
+    a = (g * 4 - 3).astype(mx.bfloat16)
+    b = (beta * 6 - 3).astype(mx.bfloat16)
+    A_log, dt_bias = mx.linspace(-2, 1, 4), mx.linspace(-1, 1, 4).astype(mx.bfloat16)
+    got = gd.gated_delta_raw(q * 3, k * 3, v, a, b, A_log, dt_bias, state, keep_states=True)
+    qn, kn = normalize_qk(q * 3, k * 3, inv_scale=64**-0.5, eps=1e-6)
+    want = gd.gated_delta_ops(qn, kn, v, compute_g(A_log, a, dt_bias), mx.sigmoid(b), state,
+                              keep_states=True)  # fmt: skip
+    assert all(_bitwise(x, y) for x, y in zip(got, want, strict=True))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_cuda_raw_kernel_passes_its_check_and_keeps_chain_parity(dtype):
+    assert gd._self_check_raw(dtype, 16, 48, 128, 128, (mx.float32, mx.bfloat16)) is None
+    q, k, v, g, beta, state = _inputs(T=5, hk=16, hv=48, dk=128, dv=128, dtype=dtype, seed=9)
+    a, b = (g * 4 - 3).astype(dtype), (beta * 6 - 3).astype(dtype)
+    A_log, dt_bias = mx.linspace(-2, 1, 48), mx.linspace(-1, 1, 48).astype(mx.bfloat16)
+
+    def run(q, k, v, a, b, state):
+        return gd.gated_delta_raw_native(q * 3, k * 3, v, a, b, A_log, dt_bias, state,
+                                         keep_states=True)  # fmt: skip
+
+    y, final, states = run(q, k, v, a, b, state)
+    cy, cfinal, cstates = _chain(lambda *x: run(*x), q, k, v, a, b, state)
+    assert _bitwise(y, cy) and _bitwise(final, cfinal) and _bitwise(states, cstates)

@@ -141,3 +141,29 @@ def test_cuda_kernel_passes_its_self_check_and_the_head_shape_runs():
     y = qm.quantized_matmul(x, w, s, b, group_size=64, bits=4)
     want = qm.quantized_matmul_ops(x, w, s, b, group_size=64, bits=4)
     assert mx.allclose(y.astype(mx.float32), want.astype(mx.float32), atol=0.5, rtol=2e-2).item()
+
+
+def test_fused_projections_equal_the_separate_ones_and_share_their_weights(ckpts):
+    from pathlib import Path
+
+    from mtpcli.config import load_config
+    from mtpcli.engine.classic import generate_classic
+    from mtpcli.models.qwen3_5 import Qwen35Target, load_target
+
+    path = Path(ckpts.target(bits=4))
+    config = load_config(path)
+    plain = load_target(path, config)
+    assert not plain.fused_in  # on the CPU nothing is fused by default (mlx-lm's products)
+    fused = Qwen35Target(load_target(path, config).model, config, fuse=True)
+    n_linear = sum(layer.is_linear for layer in fused.layers)
+    assert len(fused.fused_in) == n_linear and len(fused.fused_mlp) == len(fused.layers)
+    i = next(iter(fused.fused_in))
+    proj, m = fused.fused_in[i], fused.layers[i].linear_attn
+    rows = proj["weight"][m.in_proj_qkv.weight.shape[0] :][: m.in_proj_z.weight.shape[0]]
+    assert mx.array_equal(rows, m.in_proj_z.weight).item()
+    for prompt in ([3, 1, 4, 1, 5], [(7 * i) % 200 for i in range(40)]):
+        ca, cb = plain.make_cache(), fused.make_cache()
+        ha, hb = plain.prefill(mx.array([prompt]), ca), fused.prefill(mx.array([prompt]), cb)
+        assert mx.array_equal(ha, hb).item()
+        want = list(generate_classic(plain, prompt, max_tokens=12))
+        assert list(generate_classic(fused, prompt, max_tokens=12)) == want

@@ -11,6 +11,7 @@ not per T).
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from . import available, backend, use_native
 
@@ -63,7 +64,10 @@ def gated_delta_ops(
 # T and B are read from k's shape at run time, so one compiled variant serves every block and
 # prompt length. One warp (CUDA) / SIMD-group (Metal) per value row: lane l holds Dk/32 state
 # columns, the two dot products are butterfly reductions over the 32 lanes in a fixed order.
-# The Metal source mirrors the CUDA source line by line.
+# The Metal source mirrors the CUDA source line by line. GATE_INPUTS, GATES and QK are spliced
+# per variant: the plain one reads normalised q/k, the decay g and beta; the "raw" one reads
+# the layer's raw q/k, a and b and computes normalize_qk, compute_g and sigmoid(b) itself
+# (saving seven launches per layer per step).
 _CUDA_SOURCE = """
     constexpr int NPT = Dk / 32;
     const int B = k_shape[0];
@@ -78,25 +82,25 @@ _CUDA_SOURCE = """
     const InT* k_ = k + (size_t)b * T * Hk * Dk + hk * Dk + lane * NPT;
     const InT* v_ = v + (size_t)b * T * Hv * Dv + hv * Dv + dv;
     InT* y_ = y + (size_t)b * T * Hv * Dv + hv * Dv + dv;
-    const float* g_ = g + (size_t)b * T * Hv + hv;
-    const float* beta_ = beta + (size_t)b * T * Hv + hv;
+    GATE_INPUTS
     const float* s_in = state_in + ((size_t)n * Dv + dv) * Dk + lane * NPT;
     float s[NPT];
     for (int i = 0; i < NPT; ++i) s[i] = s_in[i];
     for (int t = 0; t < T; ++t) {
-      const float gt = g_[t * Hv];
-      const float bt = beta_[t * Hv];
+      GATES
+      float qn[NPT], kn[NPT];
+      QK
       float kv = 0.0f;
       for (int i = 0; i < NPT; ++i) {
         s[i] = s[i] * gt;
-        kv = kv + s[i] * static_cast<float>(k_[t * Hk * Dk + i]);
+        kv = kv + s[i] * kn[i];
       }
       for (int off = 16; off > 0; off >>= 1) kv = kv + __shfl_xor_sync(0xffffffffu, kv, off);
       const float delta = (static_cast<float>(v_[t * Hv * Dv]) - kv) * bt;
       float o = 0.0f;
       for (int i = 0; i < NPT; ++i) {
-        s[i] = s[i] + static_cast<float>(k_[t * Hk * Dk + i]) * delta;
-        o = o + s[i] * static_cast<float>(q_[t * Hk * Dk + i]);
+        s[i] = s[i] + kn[i] * delta;
+        o = o + s[i] * qn[i];
       }
       for (int off = 16; off > 0; off >>= 1) o = o + __shfl_xor_sync(0xffffffffu, o, off);
       if (lane == 0) y_[t * Hv * Dv] = static_cast<InT>(o);
@@ -120,25 +124,25 @@ _METAL_SOURCE = """
     device const InT* k_ = k + (size_t)b * T * Hk * Dk + hk * Dk + lane * NPT;
     device const InT* v_ = v + (size_t)b * T * Hv * Dv + hv * Dv + dv;
     device InT* y_ = y + (size_t)b * T * Hv * Dv + hv * Dv + dv;
-    device const float* g_ = g + (size_t)b * T * Hv + hv;
-    device const float* beta_ = beta + (size_t)b * T * Hv + hv;
+    GATE_INPUTS
     device const float* s_in = state_in + ((size_t)n * Dv + dv) * Dk + lane * NPT;
     float s[NPT];
     for (int i = 0; i < NPT; ++i) s[i] = s_in[i];
     for (int t = 0; t < T; ++t) {
-      const float gt = g_[t * Hv];
-      const float bt = beta_[t * Hv];
+      GATES
+      float qn[NPT], kn[NPT];
+      QK
       float kv = 0.0f;
       for (int i = 0; i < NPT; ++i) {
         s[i] = s[i] * gt;
-        kv = kv + s[i] * static_cast<float>(k_[t * Hk * Dk + i]);
+        kv = kv + s[i] * kn[i];
       }
       for (ushort off = 16; off > 0; off >>= 1) kv = kv + simd_shuffle_xor(kv, off);
       const float delta = (static_cast<float>(v_[t * Hv * Dv]) - kv) * bt;
       float o = 0.0f;
       for (int i = 0; i < NPT; ++i) {
-        s[i] = s[i] + static_cast<float>(k_[t * Hk * Dk + i]) * delta;
-        o = o + s[i] * static_cast<float>(q_[t * Hk * Dk + i]);
+        s[i] = s[i] + kn[i] * delta;
+        o = o + s[i] * qn[i];
       }
       for (ushort off = 16; off > 0; off >>= 1) o = o + simd_shuffle_xor(o, off);
       if (lane == 0) y_[t * Hv * Dv] = static_cast<InT>(o);
@@ -148,66 +152,168 @@ _METAL_SOURCE = """
     for (int i = 0; i < NPT; ++i) s_out[i] = s[i];
 """
 
-# Only the keep-states variant has the ``states`` output [T, B, Hv, Dv, Dk]: the store after
-# each step is spliced in, so both variants run the same arithmetic.
-_KEEP_CUDA = """{
+# The splices, per backend: {name: (cuda, metal)}. Only the keep-states variant has the
+# ``states`` output [T, B, Hv, Dv, Dk]: the store after each step is spliced in, so both
+# variants run the same arithmetic.
+_KEEP = (
+    """{
         float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv) * Dk + lane * NPT;
         for (int i = 0; i < NPT; ++i) s_t[i] = s[i];
-      }"""
-_KEEP_METAL = """{
+      }""",
+    """{
         device float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv) * Dk + lane * NPT;
         for (int i = 0; i < NPT; ++i) s_t[i] = s[i];
-      }"""
-_INPUTS = ["q", "k", "v", "g", "beta", "state_in"]
+      }""",
+)
+_PLAIN = {
+    "GATE_INPUTS": (
+        """const float* g_ = g + (size_t)b * T * Hv + hv;
+    const float* beta_ = beta + (size_t)b * T * Hv + hv;""",
+        """device const float* g_ = g + (size_t)b * T * Hv + hv;
+    device const float* beta_ = beta + (size_t)b * T * Hv + hv;""",
+    ),
+    "GATES": (
+        """const float gt = g_[t * Hv];
+      const float bt = beta_[t * Hv];""",
+        """const float gt = g_[t * Hv];
+      const float bt = beta_[t * Hv];""",
+    ),
+    "QK": (
+        """for (int i = 0; i < NPT; ++i) {
+        qn[i] = static_cast<float>(q_[t * Hk * Dk + i]);
+        kn[i] = static_cast<float>(k_[t * Hk * Dk + i]);
+      }""",
+        """for (int i = 0; i < NPT; ++i) {
+        qn[i] = static_cast<float>(q_[t * Hk * Dk + i]);
+        kn[i] = static_cast<float>(k_[t * Hk * Dk + i]);
+      }""",
+    ),
+}
+# mlx-lm's arithmetic, rounded to the input dtype where mlx-lm's ops round: rms_norm(q) then
+# times Dk^-1 (q) or Dk^-1/2 (k); a + dt_bias and softplus in the input dtype, the decay in
+# float32; sigmoid(b) in the input dtype.
+_RAW = {
+    "GATE_INPUTS": (
+        """const InT* a_ = a + (size_t)b * T * Hv + hv;
+    const InT* b_ = bb + (size_t)b * T * Hv + hv;
+    const float neg_a = -expf(static_cast<float>(A_log[hv]));
+    const float dtb = static_cast<float>(dt_bias[hv]);
+    #define RD(x) static_cast<float>(static_cast<InT>(x))  // rounded to the input dtype
+    const float qs = RD(1.0f / Dk);
+    const float ks = RD(rsqrtf(static_cast<float>(Dk)));""",
+        """device const InT* a_ = a + (size_t)b * T * Hv + hv;
+    device const InT* b_ = bb + (size_t)b * T * Hv + hv;
+    const float neg_a = -exp(static_cast<float>(A_log[hv]));
+    const float dtb = static_cast<float>(dt_bias[hv]);
+    #define RD(x) static_cast<float>(static_cast<InT>(x))  // rounded to the input dtype
+    const float qs = RD(1.0f / Dk);
+    const float ks = RD(rsqrt(static_cast<float>(Dk)));""",
+    ),
+    "GATES": (
+        """const float x = RD(static_cast<float>(a_[t * Hv]) + dtb);
+      const float sp = RD(fmaxf(x, 0.0f) + logf(1.0f + expf(-fabsf(x))));
+      const float gt = expf(neg_a * sp);
+      const float bt = RD(1.0f / (1.0f + expf(-static_cast<float>(b_[t * Hv]))));""",
+        """const float x = RD(static_cast<float>(a_[t * Hv]) + dtb);
+      const float sp = RD(fmax(x, 0.0f) + log(1.0f + exp(-fabs(x))));
+      const float gt = exp(neg_a * sp);
+      const float bt = RD(1.0f / (1.0f + exp(-static_cast<float>(b_[t * Hv]))));""",
+    ),
+    "QK": (
+        """float sq = 0.0f, sk = 0.0f;
+      for (int i = 0; i < NPT; ++i) {
+        qn[i] = static_cast<float>(q_[t * Hk * Dk + i]);
+        kn[i] = static_cast<float>(k_[t * Hk * Dk + i]);
+        sq = sq + qn[i] * qn[i];
+        sk = sk + kn[i] * kn[i];
+      }
+      for (int off = 16; off > 0; off >>= 1) {
+        sq = sq + __shfl_xor_sync(0xffffffffu, sq, off);
+        sk = sk + __shfl_xor_sync(0xffffffffu, sk, off);
+      }
+      const float iq = rsqrtf(sq / Dk + 1e-6f / Dk);
+      const float ik = rsqrtf(sk / Dk + 1e-6f / Dk);
+      for (int i = 0; i < NPT; ++i) {
+        qn[i] = RD(RD(qn[i] * iq) * qs);
+        kn[i] = RD(RD(kn[i] * ik) * ks);
+      }""",
+        """float sq = 0.0f, sk = 0.0f;
+      for (int i = 0; i < NPT; ++i) {
+        qn[i] = static_cast<float>(q_[t * Hk * Dk + i]);
+        kn[i] = static_cast<float>(k_[t * Hk * Dk + i]);
+        sq = sq + qn[i] * qn[i];
+        sk = sk + kn[i] * kn[i];
+      }
+      for (ushort off = 16; off > 0; off >>= 1) {
+        sq = sq + simd_shuffle_xor(sq, off);
+        sk = sk + simd_shuffle_xor(sk, off);
+      }
+      const float iq = rsqrt(sq / Dk + 1e-6f / Dk);
+      const float ik = rsqrt(sk / Dk + 1e-6f / Dk);
+      for (int i = 0; i < NPT; ++i) {
+        qn[i] = RD(RD(qn[i] * iq) * qs);
+        kn[i] = RD(RD(kn[i] * ik) * ks);
+      }""",
+    ),
+}
+_INPUTS = {
+    False: ["q", "k", "v", "g", "beta", "state_in"],
+    True: ["q", "k", "v", "a", "bb", "A_log", "dt_bias", "state_in"],
+}
 _kernels: dict = {}
 
 
-def _spec(source: str, keep_block: str, keep: bool) -> dict:
+def _source(metal: bool, keep: bool, raw: bool) -> str:
+    """The kernel body of one variant, with its splices filled in."""
+    source = _METAL_SOURCE if metal else _CUDA_SOURCE
+    for name, blocks in (_RAW if raw else _PLAIN).items():
+        source = source.replace(name, blocks[metal])
+    return source.replace("KEEP_STATES", _KEEP[metal] if keep else "")
+
+
+def _spec(metal: bool, keep: bool, raw: bool) -> dict:
     """The arguments both backends' kernel factories take, for one variant."""
     return {
-        "name": f"mtp_gated_delta{'_keep' if keep else ''}",
-        "input_names": _INPUTS,
+        "name": f"mtp_gated_delta{'_raw' if raw else ''}{'_keep' if keep else ''}",
+        "input_names": _INPUTS[raw],
         "output_names": ["y", "state_out"] + (["states"] if keep else []),
-        "source": source.replace("KEEP_STATES", keep_block if keep else ""),
+        "source": _source(metal, keep, raw),
     }
 
 
-def _build_cuda(keep: bool):
+def _build_cuda(keep: bool, raw: bool):
     if not available("cuda"):
         return None
-    return mx.fast.cuda_kernel(**_spec(_CUDA_SOURCE, _KEEP_CUDA, keep))
+    return mx.fast.cuda_kernel(**_spec(False, keep, raw))
 
 
-def _build_metal(keep: bool):
+def _build_metal(keep: bool, raw: bool):
     if not available("metal"):
         return None
-    return mx.fast.metal_kernel(**_spec(_METAL_SOURCE, _KEEP_METAL, keep))
+    return mx.fast.metal_kernel(**_spec(True, keep, raw))
 
 
-def _kernel(keep: bool):
-    key = (backend(), keep)
+def _kernel(keep: bool, raw: bool = False):
+    key = (backend(), keep, raw)
     if key not in _kernels:
         build = {"cuda": _build_cuda, "metal": _build_metal}.get(key[0])
-        _kernels[key] = build(keep) if build else None
+        _kernels[key] = build(keep, raw) if build else None
     return _kernels[key]
 
 
-def gated_delta_native(q, k, v, g, beta, state, *, keep_states: bool = False):
-    """The native kernel (same contract as ``gated_delta_ops``); None where there is none."""
-    kernel = _kernel(keep_states)
-    if kernel is None:
-        return None
+def _launch(kernel, inputs: list, q, k, v, state, keep_states: bool, extra_types=()):
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
     shapes = [(B, T, Hv, Dv), (B, Hv, Dv, Dk)] + ([(T, B, Hv, Dv, Dk)] if keep_states else [])
     out = kernel(
-        inputs=[q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state.astype(mx.float32)],
+        inputs=inputs,
         template=[
             ("InT", q.dtype),
             ("Dk", Dk),
             ("Dv", Dv),
             ("Hk", Hk),
             ("Hv", Hv),
+            *extra_types,
         ],  # fmt: skip
         grid=(32, Dv, B * Hv),
         threadgroup=(32, 4, 1),
@@ -217,22 +323,50 @@ def gated_delta_native(q, k, v, g, beta, state, *, keep_states: bool = False):
     return out[0], out[1], (out[2] if keep_states else None)
 
 
-def _self_check(dtype, hk: int, hv: int, dk: int, dv: int) -> str | None:
-    key = mx.random.key(1234)
-    kq, kk, kv, kg, kb, ks = mx.random.split(key, 6)
-    T = 3
+def gated_delta_native(q, k, v, g, beta, state, *, keep_states: bool = False):
+    """The native kernel (same contract as ``gated_delta_ops``); None where there is none."""
+    kernel = _kernel(keep_states)
+    if kernel is None:
+        return None
+    inputs = [q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state.astype(mx.float32)]
+    return _launch(kernel, inputs, q, k, v, state, keep_states)
+
+
+def gated_delta_raw_ops(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bool = False):
+    """Ops reference from the layer's raw inputs, as mlx-lm computes them.
+
+    q, k [B, T, Hk, Dk] (conv outputs, not normalised); v [B, T, Hv, Dv]; a, b [B, T, Hv];
+    A_log, dt_bias [Hv]; state [B, Hv, Dv, Dk] float32. Returns as ``gated_delta_ops``.
+    """
+    q, k = normalize_qk(q, k, inv_scale=k.shape[-1] ** -0.5, eps=1e-6)
+    g = compute_g(A_log, a, dt_bias)  # [B, T, Hv]
+    beta = mx.sigmoid(b)  # [B, T, Hv]
+    return gated_delta(q, k, v, g, beta, state, keep_states=keep_states)
+
+
+def gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state, *, keep_states=False):
+    """The native kernel with the gating folded in; None where there is none."""
+    kernel = _kernel(keep_states, raw=True)
+    if kernel is None:
+        return None
+    inputs = [q, k, v, a.astype(q.dtype), b.astype(q.dtype), A_log, dt_bias,
+              state.astype(mx.float32)]  # fmt: skip
+    types = [("AT", A_log.dtype), ("DT", dt_bias.dtype)]  # in the name: they type the signature
+    return _launch(kernel, inputs, q, k, v, state, keep_states, types)
+
+
+def _random_inputs(dtype, hk: int, hv: int, dk: int, dv: int, T: int = 3):
+    kq, kk, kv, kg, kb, ks = mx.random.split(mx.random.key(1234), 6)
     q = (mx.random.normal((1, T, hk, dk), key=kq) * dk**-0.5).astype(dtype)
     k = (mx.random.normal((1, T, hk, dk), key=kk) * dk**-0.5).astype(dtype)
     v = mx.random.normal((1, T, hv, dv), key=kv).astype(dtype)
     g = mx.random.uniform(0.5, 1.0, (1, T, hv), key=kg)
     beta = mx.random.uniform(0.0, 1.0, (1, T, hv), key=kb)
     state = mx.random.normal((1, hv, dv, dk), key=ks) * 0.1
-    try:
-        got = gated_delta_native(q, k, v, g, beta, state, keep_states=True)
-        want = gated_delta_ops(q, k, v, g, beta, state, keep_states=True)
-        mx.eval(got, want)
-    except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
-        return f"{type(e).__name__}: {e}"
+    return q, k, v, g, beta, state
+
+
+def _compare(got, want, dtype) -> str | None:
     tol = 1e-2 if dtype != mx.float32 else 1e-4
     for name, a, b in zip(("y", "state", "states"), got, want, strict=True):
         a, b = a.astype(mx.float32), b.astype(mx.float32)
@@ -241,21 +375,65 @@ def _self_check(dtype, hk: int, hv: int, dk: int, dv: int) -> str | None:
     return None
 
 
+def _self_check(dtype, hk: int, hv: int, dk: int, dv: int) -> str | None:
+    q, k, v, g, beta, state = _random_inputs(dtype, hk, hv, dk, dv)
+    try:
+        got = gated_delta_native(q, k, v, g, beta, state, keep_states=True)
+        want = gated_delta_ops(q, k, v, g, beta, state, keep_states=True)
+        mx.eval(got, want)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
+        return f"{type(e).__name__}: {e}"
+    return _compare(got, want, dtype)
+
+
+def _self_check_raw(dtype, hk: int, hv: int, dk: int, dv: int, gate_dtypes) -> str | None:
+    q, k, v, g, beta, state = _random_inputs(dtype, hk, hv, dk, dv)
+    q, k = q * 3.0, k * 3.0  # not normalised: the kernel must normalise them
+    a = (g * 4.0 - 3.0).astype(dtype)  # [1, T, hv] spanning softplus's curve
+    b = (beta * 6.0 - 3.0).astype(dtype)
+    A_log = mx.linspace(-2.0, 1.0, hv).astype(gate_dtypes[0])
+    dt_bias = mx.linspace(-1.0, 1.0, hv).astype(gate_dtypes[1])
+    try:
+        got = gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state, keep_states=True)
+        q2, k2 = normalize_qk(q, k, inv_scale=dk**-0.5, eps=1e-6)
+        want = gated_delta_ops(q2, k2, v, compute_g(A_log, a, dt_bias), mx.sigmoid(b), state,
+                               keep_states=True)  # fmt: skip
+        mx.eval(got, want)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
+        return f"{type(e).__name__}: {e}"
+    return _compare(got, want, dtype)
+
+
+def _native_shape(k, v) -> bool:
+    Hk, Dk, Hv, Dv = k.shape[2], k.shape[3], v.shape[2], v.shape[3]
+    return backend() != "cpu" and Dk % 32 == 0 and Hv % Hk == 0 and Dv % 4 == 0
+
+
 def gated_delta(q, k, v, g, beta, state, *, keep_states: bool = False):
     """Run the recurrence on the best trusted path (see ``gated_delta_ops`` for shapes)."""
     Hk, Dk, Hv, Dv = k.shape[2], k.shape[3], v.shape[2], v.shape[3]
-    if (
-        backend() != "cpu"
-        and Dk % 32 == 0
-        and Hv % Hk == 0
-        and Dv % 4 == 0
-        and use_native(
-            "gated_delta",
-            (backend(), str(q.dtype), Hk, Hv, Dk, Dv),
-            lambda: _self_check(q.dtype, Hk, Hv, Dk, Dv),
-        )
+    if _native_shape(k, v) and use_native(
+        "gated_delta",
+        (backend(), str(q.dtype), Hk, Hv, Dk, Dv),
+        lambda: _self_check(q.dtype, Hk, Hv, Dk, Dv),
     ):
         out = gated_delta_native(q, k, v, g, beta, state, keep_states=keep_states)
         if out is not None:
             return out
     return gated_delta_ops(q, k, v, g, beta, state, keep_states=keep_states)
+
+
+def gated_delta_raw(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bool = False):
+    """The layer's recurrence from its raw inputs (see ``gated_delta_raw_ops``), best path."""
+    Hk, Dk, Hv, Dv = k.shape[2], k.shape[3], v.shape[2], v.shape[3]
+    gate_dtypes = (A_log.dtype, dt_bias.dtype)
+    if _native_shape(k, v) and use_native(
+        "gated_delta_raw",
+        (backend(), str(q.dtype), Hk, Hv, Dk, Dv, *map(str, gate_dtypes)),
+        lambda: _self_check_raw(q.dtype, Hk, Hv, Dk, Dv, gate_dtypes),
+    ):
+        out = gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state,
+                                     keep_states=keep_states)  # fmt: skip
+        if out is not None:
+            return out
+    return gated_delta_raw_ops(q, k, v, a, b, A_log, dt_bias, state, keep_states=keep_states)

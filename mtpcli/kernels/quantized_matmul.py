@@ -399,6 +399,57 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
         )  # fmt: skip
 
 
+class FusedProjection(nn.Module):
+    """Sibling quantized projections of one input as one product (one launch, one weight read).
+
+    The siblings' weights are concatenated along the output axis once; the siblings keep views
+    of their rows, so no weight is stored twice. Our kernel computes each output row the same
+    way whatever the other rows are, so the fused outputs equal the separate ones bitwise.
+    """
+
+    def __init__(self, linears: list[nn.QuantizedLinear]):
+        super().__init__()
+        first = linears[0]
+        self.group_size, self.bits = first.group_size, first.bits
+        self.sizes = [m.weight.shape[0] for m in linears]
+        for name in ("weight", "scales", "biases"):
+            fused = mx.concatenate([m[name] for m in linears])  # [sum(N), ...]
+            mx.eval(fused)
+            self[name] = fused
+            start = 0
+            for m, n in zip(linears, self.sizes, strict=True):
+                m[name] = fused[start : start + n]  # a view: the sibling's own rows
+                start += n
+        mx.eval([m.parameters() for m in linears])
+
+    @staticmethod
+    def fusable(linears: list) -> bool:
+        first = linears[0]
+        return all(
+            isinstance(m, nn.QuantizedLinear)
+            and getattr(m, "mode", "affine") == "affine"
+            and "bias" not in m
+            and "biases" in m
+            and (m.group_size, m.bits, m.weight.shape[1]) == (
+                first.group_size, first.bits, first.weight.shape[1])
+            for m in linears
+        )  # fmt: skip
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """x [..., K] -> the siblings' outputs side by side, [..., sum(N)] (see ``split``)."""
+        return quantized_matmul(
+            x, self["weight"], self["scales"], self["biases"],
+            group_size=self.group_size, bits=self.bits,
+        )  # fmt: skip
+
+    def split(self, y: mx.array) -> list[mx.array]:
+        cuts, total = [], 0
+        for n in self.sizes[:-1]:
+            total += n
+            cuts.append(total)
+        return mx.split(y, cuts, axis=-1)
+
+
 _OURS = {nn.QuantizedLinear: KernelQuantizedLinear, nn.QuantizedEmbedding: KernelQuantizedEmbedding}
 _STOCK = {v: k for k, v in _OURS.items()}
 

@@ -17,13 +17,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3_5, qwen3_5_moe
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, KVCache
-from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
+from .. import kernels
 from ..config import ModelConfig
 from ..kernels import quantized_matmul
-from ..kernels.gated_delta import gated_delta
+from ..kernels.gated_delta import gated_delta_raw
+from ..kernels.quantized_matmul import FusedProjection
 from ..weights import load_arrays, load_module_weights
 
 PREFILL_CHUNK = 2048
@@ -97,13 +99,19 @@ class RowPolicy:
         )
 
 
-def _gated_delta_layer(m: qwen3_5.GatedDeltaNet, x, cache, exact: bool, policy: RowPolicy):
+def _gated_delta_layer(
+    m: qwen3_5.GatedDeltaNet, x, cache, exact: bool, policy: RowPolicy, fused=None
+):
     B, S, _ = x.shape
     n_keep = m.conv_kernel_size - 1
-    qkv = policy.rows(m.in_proj_qkv, x, exact)  # [B, S, C]
-    z = policy.rows(m.in_proj_z, x, exact).reshape(B, S, m.num_v_heads, m.head_v_dim)
-    b = policy.rows(m.in_proj_b, x, exact)  # [B, S, Hv]
-    a = policy.rows(m.in_proj_a, x, exact)  # [B, S, Hv]
+    if fused is not None:  # the four input projections in one product
+        qkv, z, b, a = fused.split(policy.rows(fused, x, exact))
+    else:
+        qkv = policy.rows(m.in_proj_qkv, x, exact)  # [B, S, C]
+        z = policy.rows(m.in_proj_z, x, exact)  # [B, S, Hv * Dv]
+        b = policy.rows(m.in_proj_b, x, exact)  # [B, S, Hv]
+        a = policy.rows(m.in_proj_a, x, exact)  # [B, S, Hv]
+    z = z.reshape(B, S, m.num_v_heads, m.head_v_dim)
 
     conv_state = cache[0]
     if conv_state is None:
@@ -126,14 +134,12 @@ def _gated_delta_layer(m: qwen3_5.GatedDeltaNet, x, cache, exact: bool, policy: 
     q = q.reshape(B, S, m.num_k_heads, m.head_k_dim)
     k = k.reshape(B, S, m.num_k_heads, m.head_k_dim)
     v = v.reshape(B, S, m.num_v_heads, m.head_v_dim)
-    q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
-    g = compute_g(m.A_log, a, m.dt_bias)  # [B, S, Hv]
-    beta = mx.sigmoid(b)  # [B, S, Hv]
     state = cache[1]
     if state is None:
         state = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
-    # The kernel's T steps equal T one-step calls bitwise by construction (chain parity).
-    y, state, states = gated_delta(q, k, v, g, beta, state, keep_states=exact)
+    # q/k normalisation, the decay and beta (mlx-lm's), then the recurrence: one launch where
+    # a native kernel runs. Its T steps equal T one-step calls bitwise (chain parity).
+    y, state, states = gated_delta_raw(q, k, v, a, b, m.A_log, m.dt_bias, state, keep_states=exact)
     cache[1] = state
 
     out = m.norm(y, z)  # [B, S, Hv, Dv]
@@ -151,15 +157,39 @@ def _attention_layer(m, x, mask, cache: KVCache, exact: bool):
     return mx.concatenate([m(x[:, t : t + 1], cache=cache) for t in range(T)], axis=1)
 
 
+def _mlp(fused: FusedProjection, down: nn.Module) -> Callable[[mx.array], mx.array]:
+    """mlx-lm's dense MLP with gate and up as one product."""
+    return lambda x: down(swiglu(*fused.split(fused(x))))
+
+
 class Qwen35Target:
     """A loaded Qwen3.5-family target with the surface the engines need."""
 
-    def __init__(self, model: nn.Module, config: ModelConfig):
+    def __init__(self, model: nn.Module, config: ModelConfig, fuse: bool | None = None):
         self.model = model  # mlx-lm's Model: parameters and checkpoint names
         self.config = config
         quantized_matmul.install(model)  # decode and verify rows share one product kernel
         self.text = model.language_model
         self.policy = RowPolicy()
+        if fuse is None:  # where our kernel runs; on the CPU mlx-lm's exact products stay
+            fuse = kernels.backend() != "cpu" and kernels.mode() != "ops"
+        self.fused_in, self.fused_mlp = self._fuse() if fuse else ({}, {})
+
+    def _fuse(self) -> tuple[dict, dict]:
+        """Per layer: the gated-delta input projections, and the dense MLP's gate and up."""
+        fused_in, fused_mlp = {}, {}
+        for i, layer in enumerate(self.layers):
+            if layer.is_linear:
+                m = layer.linear_attn
+                group = [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]
+                if FusedProjection.fusable(group):
+                    fused_in[i] = FusedProjection(group)
+            mlp = layer.mlp
+            if hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj"):
+                group = [mlp.gate_proj, mlp.up_proj]
+                if FusedProjection.fusable(group):
+                    fused_mlp[i] = _mlp(FusedProjection(group), mlp.down_proj)
+        return fused_in, fused_mlp
 
     @property
     def layers(self):
@@ -190,15 +220,18 @@ class Qwen35Target:
         kv = next((c for c, ly in zip(cache, self.layers, strict=True) if not ly.is_linear), None)
         mask = create_attention_mask(h, kv)  # unused where attention goes position by position
         traces: list[GatedDeltaTrace | None] = []
-        for layer, c in zip(self.layers, cache, strict=True):
+        for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             x = layer.input_layernorm(h)
             if layer.is_linear:
-                r, trace = _gated_delta_layer(layer.linear_attn, x, c, verify, policy)
+                r, trace = _gated_delta_layer(
+                    layer.linear_attn, x, c, verify, policy, self.fused_in.get(i)
+                )
             else:
                 r, trace = _attention_layer(layer.self_attn, x, mask, c, verify), None
             traces.append(trace)
             h = h + r
-            h = h + policy.rows(layer.mlp, layer.post_attention_layernorm(h), verify)
+            mlp = self.fused_mlp.get(i, layer.mlp)
+            h = h + policy.rows(mlp, layer.post_attention_layernorm(h), verify, module=layer.mlp)
         return ForwardOut(self.text.model.norm(h), traces if verify else None)
 
     def prefill(self, tokens: mx.array, cache: list) -> mx.array:
