@@ -313,7 +313,8 @@ def markdown(doc: dict) -> str:
         f"{info['device']} ({info['backend']}); MLX {info['mlx']}, mlx-lm {info['mlx_lm']}; load "
         f"{tuple(round(x, 2) for x in info['load_before'])} before, "
         f"{tuple(round(x, 2) for x in info['load_after'])} after. {st['prompts']} prompts x "
-        f"{st['max_tokens']} tokens, {st['repeats']} repeats; figures are median (min-max).",
+        f"{st['max_tokens']} tokens, {st['repeats']} repeats; figures are median (min-max). "
+        f"Kernels {st.get('kernels', 'auto')}, quantized matmul {st.get('qmm', 'mlx')}.",
         "",
         f"Command: `{st.get('command', 'mtp bench')}`",
     ]

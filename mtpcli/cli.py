@@ -135,6 +135,12 @@ def generate(
         envvar="MTP_KERNELS",
         help="auto (native kernels after a self-check) | native | ops (reference only).",
     ),  # fmt: skip
+    qmm: str = typer.Option(
+        "mlx",
+        "--qmm",
+        envvar="MTP_QMM",
+        help="Quantized matmul: mlx (MLX's own) | ours (one weight read for 1-8 rows).",
+    ),  # fmt: skip
 ) -> None:
     """Generate text, with MTP speculative decoding when a drafter is given."""
     import mlx.core as mx
@@ -144,10 +150,11 @@ def generate(
     from .engine.mtp import generate_mtp
     from .engine.sampling import SamplingParams
     from .example import NOTE, ensure_example
-    from .kernels import set_mode
+    from .kernels import set_mode, set_qmm
     from .loading import load_pair
 
     set_mode(kernels)
+    set_qmm(qmm)
     sampling = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     if draft_block_size is not None and not 2 <= draft_block_size <= 16:
         raise UsageError(f"--draft-block-size must be in [2, 16], got {draft_block_size}")
@@ -280,6 +287,10 @@ def bench(
     ),
     out: Path | None = typer.Option(None, "--out", help="Write Markdown and JSON here."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    kernels: str = typer.Option(
+        "auto", "--kernels", envvar="MTP_KERNELS", help="auto | native | ops, as for generate."
+    ),  # fmt: skip
+    qmm: str = typer.Option("mlx", "--qmm", envvar="MTP_QMM", help="mlx | ours, as for generate."),
 ) -> None:
     """Classic vs MTP decoding side by side, with the verify-cost table (medians, min-max)."""
     import os as _os
@@ -288,7 +299,11 @@ def bench(
 
     from . import bench as B
     from .example import NOTE, ensure_example
+    from .kernels import set_mode, set_qmm
     from .loading import load_pair
+
+    set_mode(kernels)
+    set_qmm(qmm)
 
     for b in block_size:
         if not 2 <= b <= 16:
@@ -345,6 +360,7 @@ def bench(
         "command": "mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "model": label, "blocks": block_size, "repeats": repeats, "max_tokens": max_tokens,
         "prompts": len(prompts), "simulate_acceptance": simulate_acceptance, "peers": peers,
+        "kernels": kernels, "qmm": qmm,
     }  # fmt: skip
     doc = B.to_json(result, table, info, settings)
     markdown = B.markdown(doc)

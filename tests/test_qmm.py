@@ -27,8 +27,18 @@ def _layer_inputs(n=40, k=1024, gs=64, bits=4, dtype=mx.bfloat16, m=8, seed=0):
     return x, w, scales, biases
 
 
-def test_install_routes_every_quantized_layer_and_stock_layers_restores(load):
-    loaded = load(bits=4, drafter_bits=4)
+def test_install_routes_every_quantized_layer_and_stock_layers_restores(ckpts):
+    from mtpcli.loading import load_pair
+
+    path, dpath = ckpts.target(bits=4), ckpts.drafter(bits=4, predictable=None, seed=5)
+    default = load_pair(str(path), str(dpath))  # --qmm mlx: mlx's own layers stay
+    stock = [type(m) for _, m in default.target.model.named_modules()]
+    assert nn.QuantizedLinear in stock and qm.KernelQuantizedLinear not in stock
+    kernels.set_qmm("ours")
+    try:
+        loaded = load_pair(str(path), str(dpath))
+    finally:
+        kernels.set_qmm(None)
     target = loaded.target
     quantized = [m for _, m in target.model.named_modules() if isinstance(m, nn.QuantizedLinear)]
     in_drafter = [m for _, m in loaded.drafter.module.named_modules()
@@ -42,6 +52,13 @@ def test_install_routes_every_quantized_layer_and_stock_layers_restores(load):
         assert type(embed) is nn.QuantizedEmbedding
     assert all(type(m) is qm.KernelQuantizedLinear for m in quantized)
     assert qm.install(target.model) == 0  # idempotent: nothing left to swap
+
+
+def test_qmm_choice_is_validated():
+    from mtpcli.errors import UsageError
+
+    with pytest.raises(UsageError, match="--qmm"):
+        kernels.set_qmm("fast")
 
 
 def _pretend_gpu(monkeypatch, native):

@@ -15,6 +15,7 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from .. import kernels
 from ..config import ModelConfig
 from ..kernels import quantized_matmul
 from ..weights import load_arrays, load_module_weights, sanitize_drafter
@@ -43,7 +44,8 @@ class Qwen35MTPDrafter:
     def __init__(self, module: Qwen35MTP, config: ModelConfig, embed_tokens: nn.Module):
         self.module = module
         self.config = config
-        quantized_matmul.install(module)
+        if kernels.qmm() == "ours":
+            quantized_matmul.install(module)
         self.block_size = config.block_size or 3
         self.embed_tokens = embed_tokens
 

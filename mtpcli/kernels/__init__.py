@@ -17,7 +17,12 @@ import mlx.core as mx
 from ..errors import UsageError
 
 MODES = ("auto", "native", "ops")
-_state: dict = {"mode": None, "verdicts": {}}
+# Quantized matmuls: MLX's own product (default) or ours (kernels/quantized_matmul.py). Ours is
+# faster per product and makes a T-row verify cost about one row, but on MLX 0.32.4's CUDA
+# backend a decode step through it measured slower end to end (docs/benchmark_results/README.md),
+# so it is opt-in until that is understood. The choice is fixed when a model is loaded.
+QMM_CHOICES = ("mlx", "ours")
+_state: dict = {"mode": None, "qmm": None, "verdicts": {}}
 
 
 def set_mode(mode: str) -> None:
@@ -30,6 +35,19 @@ def mode() -> str:
     if _state["mode"] is None:
         set_mode(os.environ.get("MTP_KERNELS", "auto"))
     return _state["mode"]
+
+
+def set_qmm(choice: str | None) -> None:
+    if choice is not None and choice not in QMM_CHOICES:
+        raise UsageError(f"--qmm must be one of {', '.join(QMM_CHOICES)}, got {choice!r}")
+    _state["qmm"] = choice
+
+
+def qmm() -> str:
+    """Which quantized matmul models loaded from now on use: 'mlx' or 'ours'."""
+    if _state["qmm"] is None:
+        set_qmm(os.environ.get("MTP_QMM", "mlx"))
+    return _state["qmm"]
 
 
 def available(name: str) -> bool:

@@ -168,11 +168,13 @@ class Qwen35Target:
     def __init__(self, model: nn.Module, config: ModelConfig, fuse: bool | None = None):
         self.model = model  # mlx-lm's Model: parameters and checkpoint names
         self.config = config
-        quantized_matmul.install(model)  # decode and verify rows share one product kernel
+        ours = kernels.qmm() == "ours"
+        if ours:  # decode and verify rows then share one product kernel
+            quantized_matmul.install(model)
         self.text = model.language_model
         self.policy = RowPolicy()
         if fuse is None:  # where our kernel runs; on the CPU mlx-lm's exact products stay
-            fuse = kernels.backend() != "cpu" and kernels.mode() != "ops"
+            fuse = ours and kernels.backend() != "cpu" and kernels.mode() != "ops"
         self.fused_in, self.fused_mlp = self._fuse() if fuse else ({}, {})
 
     def _fuse(self) -> tuple[dict, dict]:
