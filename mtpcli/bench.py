@@ -283,7 +283,42 @@ def _mlx_lm_greedy(target, prompt: list[int], max_tokens: int, stats: Generation
     return tokens
 
 
-def to_json(result: dict, table: dict | None, info: dict, settings: dict) -> dict:
+def _fit_acceptance(tokens_per_verify: float, drafts: int) -> float:
+    """The per-draft acceptance a whose E(a) = 1 + a + ... + a^k is the measured figure."""
+    from .gate import tokens_per_round
+
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tokens_per_round(mid, drafts) < tokens_per_verify else (lo, mid)
+    return (lo + hi) / 2
+
+
+def gate_check(target, drafter, result: dict, blocks: list[int], repeats: int) -> dict:
+    """What the gate's cost model predicts for each arm (from a fresh calibration and the
+    arm's measured tokens per verify) beside the speedup the arm measured."""
+    from . import gate
+
+    cal = gate.calibrate(target, drafter, blocks, repeats=max(3, repeats))
+    classic = result["classic"]["tps"]["median"]
+    out = {"calibration": {"step_ms": cal.step_ms, "draft_ms": cal.draft_ms,
+                           "verify_ms": cal.verify_ms}}  # fmt: skip
+    for b in blocks:
+        arm = result[f"mtp-{b}"]
+        a = _fit_acceptance(arm["tokens_per_verify"]["median"], b - 1)
+        predicted = gate.expected_speedup(cal, b, a)
+        out[b] = {
+            "acceptance_fit": a,
+            "predicted_speedup": predicted,
+            "measured_speedup": arm["tps"]["median"] / classic if classic else 0.0,
+            "gate_engages": predicted >= gate.MARGIN,
+        }
+    return out
+
+
+def to_json(
+    result: dict, table: dict | None, info: dict, settings: dict, gate: dict | None = None
+) -> dict:
     classic = result["classic"]["tps"]["median"]
     mtp = {k.split("-")[1]: v for k, v in result.items() if k.startswith("mtp-")}
     return {
@@ -296,6 +331,7 @@ def to_json(result: dict, table: dict | None, info: dict, settings: dict) -> dic
         "verify_cost": {T: v["median"] for T, v in (table or {}).get("verify_ms", {}).items()},
         "arms": result,
         "verify_cost_table": table,
+        "gate": gate,
     }
 
 
@@ -353,6 +389,24 @@ def markdown(doc: dict) -> str:
         if arm["block_size"]:
             per = ", ".join(f"{a:.3f}" for a in arm["acceptance_by_position"])
             lines.append(f"\nAcceptance by draft position, {arm['name']}: {per}")
+    g = doc.get("gate")
+    if g:
+        c = g["calibration"]
+        lines += [
+            "",
+            f"The gate's cost model (calibration: classic step {c['step_ms']:.2f} ms, drafter "
+            f"step {c['draft_ms']:.2f} ms), fed each arm's measured tokens per verify, against "
+            "the measured speedup:",
+            "",
+            "| block | fitted acceptance | predicted | measured | gate engages |",
+            "|---|---|---|---|---|",
+        ]
+        for b, v in g.items():
+            if b != "calibration":
+                lines.append(
+                    f"| {b} | {v['acceptance_fit']:.3f} | {v['predicted_speedup']:.2f}x | "
+                    f"{v['measured_speedup']:.2f}x | {'yes' if v['gate_engages'] else 'no'} |"
+                )
     table = doc["verify_cost_table"]
     if table:
         lines += [

@@ -145,6 +145,7 @@ def generate(
     """Generate text, with MTP speculative decoding when a drafter is given."""
     import mlx.core as mx
 
+    from . import gate
     from .engine import GenerationStats
     from .engine.classic import generate_classic
     from .engine.mtp import generate_mtp
@@ -171,9 +172,18 @@ def generate(
     if seed is not None:
         mx.random.seed(seed)
     stats = GenerationStats()
-    block = None
+    block, decision, pair = None, None, None
     if loaded.draft_kind == "mtp":
         block = draft_block_size or loaded.drafter.block_size
+        pair = f"{loaded.target_dir}|{loaded.drafter_dir}|{block}"
+        decision = gate.gate(
+            loaded.target, loaded.drafter, block, pair, forced=draft_kind == "mtp",
+            notify=lambda: err.print("[dim]calibrating the MTP gate (once per machine and "
+                                     "model shape)[/dim]"),
+        )  # fmt: skip
+        if verbose or not decision.engaged:
+            err.print(f"[dim]MTP gate: {decision.reason}[/dim]")
+    if decision is not None and decision.engaged:
         tokens = generate_mtp(
             loaded.target, loaded.drafter, ids, block_size=block, max_tokens=max_tokens,
             sampling=sampling, eos_ids=eos, stats=stats,
@@ -196,12 +206,17 @@ def generate(
             sys.stdout.write(detok.last_segment)  # reading it advances the detokenizer
             sys.stdout.flush()
     detok.finalize()
+    if decision is not None and decision.engaged:
+        gate.remember(pair, stats.mtp)
     if as_json:
         doc = {
             "text": detok.text,
             "tokens": out_ids,
             "draft_kind": loaded.draft_kind,
             "block_size": block,
+            "mtp_engaged": bool(decision and decision.engaged),
+            "gate_reason": decision.reason if decision else None,
+            "expected_speedup": decision.expected_speedup if decision else None,
             "stats": _stats_json(stats),
         }
         sys.stdout.write(json.dumps(doc) + "\n")
@@ -355,6 +370,8 @@ def bench(
         )  # fmt: skip
         progress("verify-cost table")
         table = B.verify_cost_table(target, prompts[0], max(3, repeats)) if verify_table else None
+        progress("gate calibration")
+        gate_doc = B.gate_check(target, drafter, result, block_size, repeats)
     info = B.machine() | {"load_before": load_before, "load_after": _os.getloadavg()}
     settings = {
         "command": "mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
@@ -362,7 +379,7 @@ def bench(
         "prompts": len(prompts), "simulate_acceptance": simulate_acceptance, "peers": peers,
         "kernels": kernels, "qmm": qmm,
     }  # fmt: skip
-    doc = B.to_json(result, table, info, settings)
+    doc = B.to_json(result, table, info, settings, gate_doc)
     markdown = B.markdown(doc)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

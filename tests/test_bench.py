@@ -57,3 +57,15 @@ def test_synthetic_shape_and_prompts_file(capsys, tmp_path):
     assert doc["arms"]["mtp-2"]["same_tokens_as_classic"] is True
     capsys.readouterr()
     assert run(["bench", "--prompts", str(tmp_path / "missing.txt")]) != 0
+
+
+def test_bench_reports_the_gate_prediction_beside_the_measurement(capsys, tmp_path):
+    from mtpcli.bench import _fit_acceptance
+    from mtpcli.gate import tokens_per_round
+
+    assert abs(tokens_per_round(_fit_acceptance(2.2, 2), 2) - 2.2) < 1e-9
+    doc = _bench(capsys, "--block-size", "3", "--no-verify-table", "--out", str(tmp_path))
+    g = doc["gate"]["3"]
+    assert g["predicted_speedup"] > 0 and g["measured_speedup"] == doc["speedup"]["3"]
+    assert g["gate_engages"] == (g["predicted_speedup"] >= 1.05)
+    assert "predicted" in next(tmp_path.glob("bench-*.md")).read_text()

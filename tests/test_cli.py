@@ -12,10 +12,11 @@ from mtpcli.cli import run
 
 
 def test_generate_json_on_the_example(capsys):
-    assert run(["generate", "-p", "hello", "-n", "24", "--json"]) == 0
+    assert run(["generate", "-p", "hello", "-n", "24", "--json", "--draft-kind", "mtp"]) == 0
     captured = capsys.readouterr()
     doc = json.loads(captured.out)
     assert doc["draft_kind"] == "mtp" and doc["block_size"] == 3
+    assert doc["mtp_engaged"] is True and "forced" in doc["gate_reason"]
     assert len(doc["tokens"]) == 24
     assert doc["stats"]["rounds"] > 0 and 0 <= doc["stats"]["acceptance_rate"] <= 1
     for key in ("generation_tps", "prompt_tps", "peak_memory_gb"):
@@ -24,14 +25,15 @@ def test_generate_json_on_the_example(capsys):
 
 
 def test_streams_text_and_puts_stats_on_stderr(capsys):
-    assert run(["generate", "-p", "hello", "-n", "16", "--draft-block-size", "4"]) == 0
+    argv = ["generate", "-p", "hello", "-n", "16", "--draft-block-size", "4", "--draft-kind", "mtp"]
+    assert run(argv) == 0
     captured = capsys.readouterr()
     assert "Generation: 16 tokens" in captured.err and "MTP: block 4" in captured.err
     assert "tokens-per-sec" not in captured.out and captured.out.strip()
 
 
 def test_json_text_matches_classic(capsys):
-    assert run(["generate", "-p", "abc", "-n", "30", "--json"]) == 0
+    assert run(["generate", "-p", "abc", "-n", "30", "--json", "--draft-kind", "mtp"]) == 0
     mtp = json.loads(capsys.readouterr().out)
     assert run(["generate", "-p", "abc", "-n", "30", "--json", "--draft-kind", "none"]) == 0
     classic = json.loads(capsys.readouterr().out)

@@ -1,0 +1,114 @@
+"""The MTP gate: its cost model (pure functions), its on-disk memory, and the CLI's use of it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mtpcli import gate
+from mtpcli.cli import run
+from mtpcli.engine import MTPStats
+from mtpcli.gate import Calibration, GateStore
+
+
+def test_tokens_per_round_is_the_expected_accepted_prefix_plus_one():
+    assert gate.tokens_per_round(0.0, 2) == 1.0
+    assert gate.tokens_per_round(1.0, 2) == 3.0
+    assert gate.tokens_per_round(0.5, 2) == pytest.approx(1.75)
+    assert gate.tokens_per_round(0.5, 3) == pytest.approx(1.875)
+
+
+def test_decision_follows_the_cost_model():
+    cheap = Calibration(step_ms=10.0, draft_ms=1.0, verify_ms={3: 14.0})  # round 16 ms
+    d = gate.decide(cheap, 3, 0.6, "prior")
+    assert d.engaged and d.expected_speedup == pytest.approx(1.96 * 10 / 16)
+    assert "MTP engaged" in d.reason and "prior" in d.reason
+    dear = Calibration(step_ms=10.0, draft_ms=1.0, verify_ms={3: 20.0})  # round 22 ms
+    d = gate.decide(dear, 3, 0.6, "last run")
+    assert not d.engaged and d.expected_speedup < 1 and "decoding classically" in d.reason
+    # Perfect acceptance cannot save a round dearer than block-size classic steps.
+    assert not gate.decide(Calibration(10.0, 5.0, {3: 21.0}), 3, 1.0, "x").engaged
+
+
+def test_acceptance_estimate_counts_only_the_drafts_that_were_examined():
+    stats = MTPStats(3)
+    for n in (2, 0, 1):  # a full accept, a first-draft reject, a second-draft reject
+        stats.record(2, n)
+    # 3 accepted of 5 examined drafts: the second draft of round 2 was never looked at
+    assert gate.acceptance_estimate(stats) == pytest.approx(3 / 5)
+    assert gate.acceptance_estimate(MTPStats(3)) is None
+
+
+def test_store_merges_block_sizes_and_survives_a_corrupt_file(tmp_path):
+    path = tmp_path / "gate.json"
+    s = GateStore(path)
+    s.put_calibration("k", Calibration(1.0, 0.1, {3: 1.5}))
+    s.put_calibration("k", Calibration(1.0, 0.1, {4: 1.8}))
+    again = GateStore(path)
+    assert again.calibration("k", [3, 4]).verify_ms == {3: 1.5, 4: 1.8}
+    assert again.calibration("k", [5]) is None and again.calibration("other", [3]) is None
+    again.put_acceptance("pair", 0.7)
+    assert GateStore(path).acceptance("pair") == 0.7
+    path.write_text("{not json")
+    assert GateStore(path).calibration("k", [3]) is None  # a cache: start afresh
+
+
+@pytest.fixture
+def fake_machine(tmp_path, monkeypatch):
+    """The gate's store in tmp_path and a calibration of chosen costs, counting calls."""
+    calls = []
+    costs = {"verify": 12.0}
+
+    def calibrate(target, drafter, blocks, repeats=3):
+        calls.append(list(blocks))
+        return Calibration(10.0, 1.0, dict.fromkeys(blocks, costs["verify"]))
+
+    monkeypatch.setattr(gate, "store", lambda: GateStore(tmp_path / "gate.json"))
+    monkeypatch.setattr(gate, "calibrate", calibrate)
+    return calls, costs
+
+
+def _generate(capsys, *extra) -> dict:
+    capsys.readouterr()
+    assert run(["generate", "-p", "abc", "-n", "20", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_gate_engages_where_it_pays_and_calibrates_once(fake_machine, capsys):
+    calls, costs = fake_machine
+    doc = _generate(capsys)
+    assert doc["draft_kind"] == "mtp" and doc["mtp_engaged"] is True
+    assert doc["stats"]["rounds"] > 0 and "prior" in doc["gate_reason"]
+    doc = _generate(capsys)  # the acceptance of the first run now informs the second
+    assert calls == [[3]] and "last run" in doc["gate_reason"]
+
+
+def test_cli_gate_decodes_classically_where_mtp_loses(fake_machine, capsys):
+    _, costs = fake_machine
+    costs["verify"] = 40.0  # a round would cost more than 3 classic steps
+    doc = _generate(capsys)
+    assert doc["draft_kind"] == "mtp" and doc["mtp_engaged"] is False
+    assert doc["stats"]["rounds"] == 0 and "decoding classically" in doc["gate_reason"]
+    classic = _generate(capsys, "--draft-kind", "none")
+    assert doc["tokens"] == classic["tokens"]
+    assert classic["mtp_engaged"] is False and classic["gate_reason"] is None
+    forced = _generate(capsys, "--draft-kind", "mtp")
+    assert forced["mtp_engaged"] is True and forced["stats"]["rounds"] > 0
+    assert forced["tokens"] == classic["tokens"]
+
+
+def test_cli_gate_reason_goes_to_stderr(fake_machine, capsys):
+    _, costs = fake_machine
+    costs["verify"] = 40.0
+    capsys.readouterr()
+    assert run(["generate", "-p", "abc", "-n", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "MTP gate:" in err and "calibrating the MTP gate" in err
+
+
+def test_real_calibration_measures_positive_costs(load):
+    loaded = load()
+    cal = gate.calibrate(loaded.target, loaded.drafter, [2, 3], repeats=1)
+    assert cal.step_ms > 0 and cal.draft_ms > 0 and set(cal.verify_ms) == {2, 3}
+    assert all(v > 0 for v in cal.verify_ms.values())
