@@ -301,8 +301,7 @@ def gate_check(target, drafter, result: dict, blocks: list[int], repeats: int) -
 
     cal = gate.calibrate(target, drafter, blocks, repeats=max(3, repeats))
     classic = result["classic"]["tps"]["median"]
-    out = {"calibration": {"step_ms": cal.step_ms, "draft_ms": cal.draft_ms,
-                           "verify_ms": cal.verify_ms}}  # fmt: skip
+    out = {"calibration": {"step_ms": cal.step_ms, "round_ms": cal.round_ms}}
     for b in blocks:
         arm = result[f"mtp-{b}"]
         a = _fit_acceptance(arm["tokens_per_verify"]["median"], b - 1)
@@ -394,9 +393,9 @@ def markdown(doc: dict) -> str:
         c = g["calibration"]
         lines += [
             "",
-            f"The gate's cost model (calibration: classic step {c['step_ms']:.2f} ms, drafter "
-            f"step {c['draft_ms']:.2f} ms), fed each arm's measured tokens per verify, against "
-            "the measured speedup:",
+            f"The gate's cost model (its calibration: classic step {c['step_ms']:.2f} ms, rounds "
+            + ", ".join(f"block {b} {v:.2f} ms" for b, v in c["round_ms"].items())
+            + "), fed each arm's measured tokens per verify, against the measured speedup:",
             "",
             "| block | fitted acceptance | predicted | measured | gate engages |",
             "|---|---|---|---|---|",

@@ -20,15 +20,15 @@ def test_tokens_per_round_is_the_expected_accepted_prefix_plus_one():
 
 
 def test_decision_follows_the_cost_model():
-    cheap = Calibration(step_ms=10.0, draft_ms=1.0, verify_ms={3: 14.0})  # round 16 ms
+    cheap = Calibration(step_ms=10.0, round_ms={3: 16.0})
     d = gate.decide(cheap, 3, 0.6, "prior")
     assert d.engaged and d.expected_speedup == pytest.approx(1.96 * 10 / 16)
     assert "MTP engaged" in d.reason and "prior" in d.reason
-    dear = Calibration(step_ms=10.0, draft_ms=1.0, verify_ms={3: 20.0})  # round 22 ms
+    dear = Calibration(step_ms=10.0, round_ms={3: 22.0})
     d = gate.decide(dear, 3, 0.6, "last run")
     assert not d.engaged and d.expected_speedup < 1 and "decoding classically" in d.reason
     # Perfect acceptance cannot save a round dearer than block-size classic steps.
-    assert not gate.decide(Calibration(10.0, 5.0, {3: 21.0}), 3, 1.0, "x").engaged
+    assert not gate.decide(Calibration(10.0, {3: 31.0}), 3, 1.0, "x").engaged
 
 
 def test_acceptance_estimate_counts_only_the_drafts_that_were_examined():
@@ -43,10 +43,10 @@ def test_acceptance_estimate_counts_only_the_drafts_that_were_examined():
 def test_store_merges_block_sizes_and_survives_a_corrupt_file(tmp_path):
     path = tmp_path / "gate.json"
     s = GateStore(path)
-    s.put_calibration("k", Calibration(1.0, 0.1, {3: 1.5}))
-    s.put_calibration("k", Calibration(1.0, 0.1, {4: 1.8}))
+    s.put_calibration("k", Calibration(1.0, {3: 1.5}))
+    s.put_calibration("k", Calibration(1.0, {4: 1.8}))
     again = GateStore(path)
-    assert again.calibration("k", [3, 4]).verify_ms == {3: 1.5, 4: 1.8}
+    assert again.calibration("k", [3, 4]).round_ms == {3: 1.5, 4: 1.8}
     assert again.calibration("k", [5]) is None and again.calibration("other", [3]) is None
     again.put_acceptance("pair", 0.7)
     assert GateStore(path).acceptance("pair") == 0.7
@@ -58,11 +58,11 @@ def test_store_merges_block_sizes_and_survives_a_corrupt_file(tmp_path):
 def fake_machine(tmp_path, monkeypatch):
     """The gate's store in tmp_path and a calibration of chosen costs, counting calls."""
     calls = []
-    costs = {"verify": 12.0}
+    costs = {"round": 14.0}
 
     def calibrate(target, drafter, blocks, repeats=3):
         calls.append(list(blocks))
-        return Calibration(10.0, 1.0, dict.fromkeys(blocks, costs["verify"]))
+        return Calibration(10.0, dict.fromkeys(blocks, costs["round"]))
 
     monkeypatch.setattr(gate, "store", lambda: GateStore(tmp_path / "gate.json"))
     monkeypatch.setattr(gate, "calibrate", calibrate)
@@ -86,7 +86,7 @@ def test_cli_gate_engages_where_it_pays_and_calibrates_once(fake_machine, capsys
 
 def test_cli_gate_decodes_classically_where_mtp_loses(fake_machine, capsys):
     _, costs = fake_machine
-    costs["verify"] = 40.0  # a round would cost more than 3 classic steps
+    costs["round"] = 40.0  # a round would cost more than 3 classic steps
     doc = _generate(capsys)
     assert doc["draft_kind"] == "mtp" and doc["mtp_engaged"] is False
     assert doc["stats"]["rounds"] == 0 and "decoding classically" in doc["gate_reason"]
@@ -100,7 +100,7 @@ def test_cli_gate_decodes_classically_where_mtp_loses(fake_machine, capsys):
 
 def test_cli_gate_reason_goes_to_stderr(fake_machine, capsys):
     _, costs = fake_machine
-    costs["verify"] = 40.0
+    costs["round"] = 40.0
     capsys.readouterr()
     assert run(["generate", "-p", "abc", "-n", "4"]) == 0
     err = capsys.readouterr().err
@@ -109,6 +109,6 @@ def test_cli_gate_reason_goes_to_stderr(fake_machine, capsys):
 
 def test_real_calibration_measures_positive_costs(load):
     loaded = load()
-    cal = gate.calibrate(loaded.target, loaded.drafter, [2, 3], repeats=1)
-    assert cal.step_ms > 0 and cal.draft_ms > 0 and set(cal.verify_ms) == {2, 3}
-    assert all(v > 0 for v in cal.verify_ms.values())
+    cal = gate.calibrate(loaded.target, loaded.drafter, [2, 3], repeats=1, tokens=8)
+    assert cal.step_ms > 0 and set(cal.round_ms) == {2, 3}
+    assert all(v > 0 for v in cal.round_ms.values())
