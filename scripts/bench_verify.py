@@ -226,7 +226,19 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--name", default=None)
     ap.add_argument("--quick", action="store_true", help="skip the breakdown and decode runs")
+    ap.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="only the classic-decode arms (e.g. to compare MLX_* settings)",
+    )
+    ap.add_argument(
+        "--qmm",
+        default="ours",
+        choices=kernels.QMM_CHOICES,
+        help="the target's quantized matmul (the decode arms cover MLX's as well)",
+    )
     args = ap.parse_args()
+    kernels.set_qmm(args.qmm)
 
     load_before = os.getloadavg()
 
@@ -247,9 +259,19 @@ def main() -> None:
     mx.eval(tm.cache_arrays(cache))
     res: dict = {
         "device": _device(), "shape": args.shape, "bits": args.bits, "kernels": kernels.mode(),
+        "qmm": args.qmm, "env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")},
         "prompt_tokens": args.prompt_tokens,
         "mlx": mx.__version__, "python": platform.python_version(),
     }  # fmt: skip
+    if args.decode_only:
+        res["classic_tps"] = classic_tps(target, prompt[0].tolist(), args.decode_tokens, 3)
+        res["load_before"], res["load_after"] = load_before, os.getloadavg()
+        print(json.dumps(res, indent=1, default=str))
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            name = args.name or f"decode_{args.shape}_{args.bits}bit"
+            (args.out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+        return
     res["graph_build_ms"] = graph_build_ms(target, cache, args.repeats)
     print("graph build", res["graph_build_ms"], flush=True)
     res["verify_ms"] = {T: forward_cost(target, cache, T, True, args.repeats) for T in TS}
