@@ -101,13 +101,22 @@ def shape_key(target, drafter) -> str:
 
 
 def calibrate(
-    target, drafter, blocks: list[int], repeats: int = 5, tokens: int = 32
+    target,
+    drafter,
+    blocks: list[int],
+    repeats: int = 5,
+    tokens: int = 32,
+    budget_s: float = 2.0,
 ) -> Calibration:
     """Time classic decoding and MTP rounds of each block size on a short prompt, as they run.
 
-    The fastest of ``repeats`` runs (after one warm-up run each) is kept: other load on the
-    machine only ever slows a run down, and both sides are treated alike.
+    Each is run once to warm up, then up to ``repeats`` times, stopping early once the measured
+    runs took ``budget_s`` (a large model is timed fewer times: its runs are long and steadier).
+    The fastest run is kept: other load on the machine only ever slows a run down, and both
+    sides are treated alike.
     """
+    import time
+
     from .engine import GenerationStats
     from .engine.classic import generate_classic
     from .engine.mtp import generate_mtp
@@ -116,13 +125,13 @@ def calibrate(
     prompt = [(7 * i + 3) % vocab for i in range(16)]
 
     def timed(run) -> float:
-        vals = []
-        for i in range(repeats + 1):
+        list(run(GenerationStats()))  # warm-up: kernel compilation, caches
+        vals, start = [], time.perf_counter()
+        while len(vals) < repeats and (not vals or time.perf_counter() - start < budget_s):
             stats = GenerationStats()
             list(run(stats))
-            if i:  # the first run compiles kernels and fills caches
-                units = stats.mtp.rounds if stats.mtp else stats.generation_tokens
-                vals.append(stats.generation_s * 1000 / max(units, 1))
+            units = stats.mtp.rounds if stats.mtp else stats.generation_tokens
+            vals.append(stats.generation_s * 1000 / max(units, 1))
         return min(vals)
 
     step = timed(lambda st: generate_classic(target, prompt, max_tokens=tokens, stats=st))

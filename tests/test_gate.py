@@ -112,3 +112,21 @@ def test_real_calibration_measures_positive_costs(load):
     cal = gate.calibrate(loaded.target, loaded.drafter, [2, 3], repeats=1, tokens=8)
     assert cal.step_ms > 0 and set(cal.round_ms) == {2, 3}
     assert all(v > 0 for v in cal.round_ms.values())
+
+
+def test_calibration_stops_early_on_a_slow_model(load, monkeypatch):
+    # With no time budget left after the first measured run, each side is timed once (plus
+    # its warm-up): a large model's calibration stays short.
+    import mtpcli.engine.classic as classic
+
+    calls = []
+    real = classic.generate_classic
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(classic, "generate_classic", counting)
+    loaded = load()
+    gate.calibrate(loaded.target, loaded.drafter, [3], repeats=5, tokens=8, budget_s=0.0)
+    assert len(calls) == 2
