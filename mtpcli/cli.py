@@ -174,13 +174,14 @@ def generate(
     stats = GenerationStats()
     block, decision, pair = None, None, None
     if loaded.draft_kind == "mtp":
-        block = draft_block_size or loaded.drafter.block_size
-        pair = f"{loaded.target_dir}|{loaded.drafter_dir}|{block}"
+        pair = f"{loaded.target_dir}|{loaded.drafter_dir}"
         decision = gate.gate(
-            loaded.target, loaded.drafter, block, pair, forced=draft_kind == "mtp",
+            loaded.target, loaded.drafter, draft_block_size or loaded.drafter.block_size, pair,
+            forced=draft_kind == "mtp", adapt=draft_block_size is None,
             notify=lambda: err.print("[dim]calibrating the MTP gate (once per machine and "
                                      "model shape)[/dim]"),
         )  # fmt: skip
+        block = decision.block
         if verbose or not decision.engaged:
             err.print(f"[dim]MTP gate: {decision.reason}[/dim]")
     if decision is not None and decision.engaged:

@@ -9,7 +9,10 @@ catch-up, the rollback and Python overhead are all in). The expected speedup is
 
 The costs come from a calibration measured once per machine and model shape (a few short
 generations) and cached in ``cache_dir()/gate.json``; the acceptance from the last run of the
-same target, drafter and block (``PRIOR_ACCEPTANCE`` before there is one).
+same target and drafter (before there is one, the acceptance seen in the calibration's own MTP
+runs when it has just calibrated, else ``PRIOR_ACCEPTANCE``; the model takes a to be
+the same at every draft position, so it carries over between block sizes). When no block size
+was asked for, the gate also picks the block size with the best expected speedup.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ PRIOR_ACCEPTANCE = 0.6
 # Predictions came within about 5% of the measured speedups on the CPU example
 # (docs/benchmark_results/cpu_example_bench.md): ask for at least that much expected gain.
 MARGIN = 1.05
-STORE_VERSION = 2
+STORE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -41,11 +44,14 @@ class Calibration:
 
     step_ms: float
     round_ms: dict[int, float]
+    # per-draft acceptance seen in the timed MTP runs (of this pair; not kept with the costs)
+    acceptance: float | None = None
 
 
 @dataclass(frozen=True)
 class GateDecision:
     engaged: bool
+    block: int  # the block size to run (chosen among the candidates when adapting)
     reason: str
     expected_speedup: float | None
     acceptance: float | None
@@ -61,23 +67,34 @@ def expected_speedup(cal: Calibration, block: int, acceptance: float) -> float:
     return tokens_per_round(acceptance, block - 1) * cal.step_ms / cal.round_ms[block]
 
 
-def decide(cal: Calibration, block: int, acceptance: float, source: str) -> GateDecision:
-    speedup = expected_speedup(cal, block, acceptance)
+def decide(cal: Calibration, blocks: list[int], acceptance: float, source: str) -> GateDecision:
+    """The best of ``blocks`` by expected speedup, engaged if that clears ``MARGIN``."""
+    speedups = {b: expected_speedup(cal, b, acceptance) for b in blocks}
+    block = max(blocks, key=lambda b: (speedups[b], -b))  # ties: the smaller block
+    speedup = speedups[block]
     engaged = speedup >= MARGIN
+    others = ", ".join(f"{b}: {v:.2f}x" for b, v in speedups.items() if b != block)
     reason = (
         f"expected {speedup:.2f}x classic at block {block} with acceptance {acceptance:.2f} "
         f"({source}): a classic step costs {cal.step_ms:.2f} ms, a round of "
-        f"{block - 1} drafts and a verify {cal.round_ms[block]:.2f} ms; "
+        f"{block - 1} drafts and a verify {cal.round_ms[block]:.2f} ms"
+        + (f" (other blocks {others})" if others else "")
+        + "; "
         + ("MTP engaged" if engaged else f"below {MARGIN:.2f}x, decoding classically")
     )
-    return GateDecision(engaged, reason, speedup, acceptance, source)
+    return GateDecision(engaged, block, reason, speedup, acceptance, source)
+
+
+def examined(stats: MTPStats) -> int:
+    """Drafts the verify looked at: every accepted one, plus the first rejected of a round."""
+    k = stats.block_size - 1
+    return stats.accepted + (stats.rounds - stats.accept_histogram[k])
 
 
 def acceptance_estimate(stats: MTPStats) -> float | None:
     """The per-draft acceptance a of a run (maximum likelihood for the truncated chain)."""
-    k = stats.block_size - 1
-    examined = stats.accepted + (stats.rounds - stats.accept_histogram[k])
-    return stats.accepted / examined if examined else None
+    n = examined(stats)
+    return stats.accepted / n if n else None
 
 
 def machine_key() -> str:
@@ -124,6 +141,8 @@ def calibrate(
     vocab = min(1000, target.config.text.vocab_size)
     prompt = [(7 * i + 3) % vocab for i in range(16)]
 
+    seen = [0, 0]  # accepted, examined drafts over the MTP runs
+
     def timed(run) -> float:
         list(run(GenerationStats()))  # warm-up: kernel compilation, caches
         vals, start = [], time.perf_counter()
@@ -132,6 +151,9 @@ def calibrate(
             list(run(stats))
             units = stats.mtp.rounds if stats.mtp else stats.generation_tokens
             vals.append(stats.generation_s * 1000 / max(units, 1))
+            if stats.mtp:
+                seen[0] += stats.mtp.accepted
+                seen[1] += examined(stats.mtp)
         return min(vals)
 
     step = timed(lambda st: generate_classic(target, prompt, max_tokens=tokens, stats=st))
@@ -143,7 +165,7 @@ def calibrate(
         )  # fmt: skip
         for b in blocks
     }
-    return Calibration(step, rounds)
+    return Calibration(step, rounds, seen[0] / seen[1] if seen[1] else None)
 
 
 class GateStore:
@@ -168,15 +190,18 @@ class GateStore:
     def put_calibration(self, key: str, cal: Calibration) -> None:
         old = self.data["calibrations"].get(key, {}).get("round_ms", {})
         entry = asdict(cal)
+        entry.pop("acceptance")
         entry["round_ms"] = old | {str(b): v for b, v in cal.round_ms.items()}
         self.data["calibrations"][key] = entry
         self._save()
 
-    def acceptance(self, pair: str) -> float | None:
-        return self.data["acceptance"].get(pair)
+    def acceptance(self, pair: str) -> tuple[float, str] | None:
+        """The pair's last known per-draft acceptance and where it came from."""
+        entry = self.data["acceptance"].get(pair)
+        return (entry["value"], entry["source"]) if entry else None
 
-    def put_acceptance(self, pair: str, value: float) -> None:
-        self.data["acceptance"][pair] = value
+    def put_acceptance(self, pair: str, value: float, source: str = "last run") -> None:
+        self.data["acceptance"][pair] = {"value": value, "source": source}
         self._save()
 
     def _save(self) -> None:
@@ -196,30 +221,43 @@ def store() -> GateStore:
     return GateStore(cache_dir() / "gate.json")
 
 
+ADAPT_BLOCKS = (2, 3, 4)  # block sizes the gate may choose among when none was asked for
+
+
 def gate(
     target,
     drafter,
     block: int,
     pair: str,
+    *,
     forced: bool = False,
+    adapt: bool = False,
     notify: Callable[[], None] | None = None,
 ) -> GateDecision:
-    """Decide whether this run should use MTP (``forced``: ``--draft-kind mtp``); ``notify``
-    is called before a calibration, which takes a few forwards."""
+    """Decide whether this run should use MTP, and at which block size.
+
+    ``forced`` (``--draft-kind mtp``) runs MTP at ``block``; ``adapt`` (no block size asked
+    for) lets the gate pick among ``ADAPT_BLOCKS`` and ``block``; ``notify`` is called before
+    a calibration, which takes a few short generations.
+    """
     if forced:
-        return GateDecision(True, "forced by --draft-kind mtp", None, None, "forced")
+        return GateDecision(True, block, "forced by --draft-kind mtp", None, None, "forced")
+    blocks = sorted({block, *ADAPT_BLOCKS}) if adapt else [block]
     st = store()
     key = machine_key() + "#" + shape_key(target, drafter)
-    cal = st.calibration(key, [block])
+    cal = st.calibration(key, blocks)
+    seen = None
     if cal is None:
         if notify is not None:
             notify()
-        cal = calibrate(target, drafter, [block])
+        cal = calibrate(target, drafter, blocks)
         st.put_calibration(key, cal)
-    last = st.acceptance(pair)
-    if last is None:
-        return decide(cal, block, PRIOR_ACCEPTANCE, "prior")
-    return decide(cal, block, last, "last run")
+        seen = cal.acceptance
+    known = st.acceptance(pair)
+    if known is None and seen is not None:  # this pair, if on a made-up prompt: beats the prior
+        known = (seen, "measured while calibrating")
+        st.put_acceptance(pair, *known)
+    return decide(cal, blocks, *(known or (PRIOR_ACCEPTANCE, "prior")))
 
 
 def remember(pair: str, stats: MTPStats | None) -> None:

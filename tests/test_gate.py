@@ -21,14 +21,24 @@ def test_tokens_per_round_is_the_expected_accepted_prefix_plus_one():
 
 def test_decision_follows_the_cost_model():
     cheap = Calibration(step_ms=10.0, round_ms={3: 16.0})
-    d = gate.decide(cheap, 3, 0.6, "prior")
+    d = gate.decide(cheap, [3], 0.6, "prior")
     assert d.engaged and d.expected_speedup == pytest.approx(1.96 * 10 / 16)
     assert "MTP engaged" in d.reason and "prior" in d.reason
     dear = Calibration(step_ms=10.0, round_ms={3: 22.0})
-    d = gate.decide(dear, 3, 0.6, "last run")
+    d = gate.decide(dear, [3], 0.6, "last run")
     assert not d.engaged and d.expected_speedup < 1 and "decoding classically" in d.reason
     # Perfect acceptance cannot save a round dearer than block-size classic steps.
-    assert not gate.decide(Calibration(10.0, {3: 31.0}), 3, 1.0, "x").engaged
+    assert not gate.decide(Calibration(10.0, {3: 31.0}), [3], 1.0, "x").engaged
+
+
+def test_decision_picks_the_block_size_with_the_best_expected_speedup():
+    cal = Calibration(step_ms=10.0, round_ms={2: 12.0, 3: 14.0, 4: 30.0})
+    # a = 0.8: E = 1.8 / 2.44 / 2.95 tokens -> 1.50x / 1.74x / 0.98x
+    d = gate.decide(cal, [2, 3, 4], 0.8, "prior")
+    assert d.engaged and d.block == 3 and "other blocks 2: 1.50x, 4: 0.98x" in d.reason
+    # a = 0.2: nothing pays; the decision still names its best block
+    d = gate.decide(cal, [2, 3, 4], 0.2, "prior")
+    assert not d.engaged and d.block == 2
 
 
 def test_acceptance_estimate_counts_only_the_drafts_that_were_examined():
@@ -49,7 +59,7 @@ def test_store_merges_block_sizes_and_survives_a_corrupt_file(tmp_path):
     assert again.calibration("k", [3, 4]).round_ms == {3: 1.5, 4: 1.8}
     assert again.calibration("k", [5]) is None and again.calibration("other", [3]) is None
     again.put_acceptance("pair", 0.7)
-    assert GateStore(path).acceptance("pair") == 0.7
+    assert GateStore(path).acceptance("pair") == (0.7, "last run")
     path.write_text("{not json")
     assert GateStore(path).calibration("k", [3]) is None  # a cache: start afresh
 
@@ -62,7 +72,9 @@ def fake_machine(tmp_path, monkeypatch):
 
     def calibrate(target, drafter, blocks, repeats=3):
         calls.append(list(blocks))
-        return Calibration(10.0, dict.fromkeys(blocks, costs["round"]))
+        # every block costs the same per round here, except that 4 is dearer: 3 wins
+        rounds = {b: costs["round"] * (2 if b == 4 else 1) for b in blocks}
+        return Calibration(10.0, rounds, costs.get("seen"))
 
     monkeypatch.setattr(gate, "store", lambda: GateStore(tmp_path / "gate.json"))
     monkeypatch.setattr(gate, "calibrate", calibrate)
@@ -79,9 +91,13 @@ def test_cli_gate_engages_where_it_pays_and_calibrates_once(fake_machine, capsys
     calls, costs = fake_machine
     doc = _generate(capsys)
     assert doc["draft_kind"] == "mtp" and doc["mtp_engaged"] is True
-    assert doc["stats"]["rounds"] > 0 and "prior" in doc["gate_reason"]
+    assert doc["stats"]["rounds"] > 0 and "(prior)" in doc["gate_reason"]
+    assert doc["block_size"] == 3
     doc = _generate(capsys)  # the acceptance of the first run now informs the second
-    assert calls == [[3]] and "last run" in doc["gate_reason"]
+    assert calls == [[2, 3, 4]] and "last run" in doc["gate_reason"]
+    fixed = _generate(capsys, "--draft-block-size", "2")  # asked for: no choosing
+    assert fixed["block_size"] == 2 and fixed["mtp_engaged"] is True
+    assert calls == [[2, 3, 4]]  # block 2 was already calibrated
 
 
 def test_cli_gate_decodes_classically_where_mtp_loses(fake_machine, capsys):
@@ -130,3 +146,12 @@ def test_calibration_stops_early_on_a_slow_model(load, monkeypatch):
     loaded = load()
     gate.calibrate(loaded.target, loaded.drafter, [3], repeats=5, tokens=8, budget_s=0.0)
     assert len(calls) == 2
+
+
+def test_acceptance_seen_while_calibrating_beats_the_prior_and_is_kept(fake_machine, capsys):
+    _, costs = fake_machine
+    costs["seen"] = 0.9
+    doc = _generate(capsys)
+    assert "acceptance 0.90 (measured while calibrating)" in doc["gate_reason"]
+    doc = _generate(capsys)  # the first run's own acceptance has replaced it
+    assert "(last run)" in doc["gate_reason"]
