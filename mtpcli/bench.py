@@ -191,6 +191,7 @@ def compare(
     repeats: int,
     simulate: float | None = None,
     peers: bool = False,
+    vlm: MlxVlmPeer | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict:
     """Run every arm ``repeats`` times over ``prompts``; one tok/s figure per repeat."""
@@ -198,12 +199,16 @@ def compare(
     arms |= {f"mtp-{b}": Arm(f"mtp block {b}", b) for b in blocks}
     if peers:
         arms["mlx_lm"] = Arm("mlx-lm classic (peer)", None)
+    if vlm is not None:
+        arms |= {f"mlx_vlm-{b}": Arm(f"mlx-vlm mtp block {b} (peer)", None) for b in blocks}
     references = {}
     progress("warm-up: compiling kernels, greedy references")
     for prompt in prompts:  # warm-up (kernel compilation) and the greedy reference
         references[tuple(prompt)] = list(generate_classic(target, prompt, max_tokens=max_tokens))
         for b in blocks:
             list(generate_mtp(target, drafter, prompt, block_size=b, max_tokens=8))
+            if vlm is not None:
+                vlm.greedy(prompt, 8, b, GenerationStats())
     for rep in range(repeats):
         for key, arm in arms.items():
             progress(f"repeat {rep + 1}/{repeats}: {arm.name}")
@@ -220,6 +225,9 @@ def compare(
                     run_arm(
                         per_prompt, lambda s, p=prompt: _mlx_lm_greedy(target, p, max_tokens, s)
                     )
+                elif key.startswith("mlx_vlm-"):
+                    b = int(key.split("-")[1])
+                    run_arm(per_prompt, lambda s, p=prompt, b=b: vlm.greedy(p, max_tokens, b, s))
                 else:
                     propose = (
                         simulated_drafts(
@@ -281,6 +289,47 @@ def _mlx_lm_greedy(target, prompt: list[int], max_tokens: int, stats: Generation
     stats.generation_s = time.perf_counter() - start
     stats.peak_memory_gb = mx.get_peak_memory() / 1e9
     return tokens
+
+
+class MlxVlmPeer:
+    """mlx-vlm's own MTP decoding (``mlx_vlm.speculative``) on the same checkpoint directories.
+
+    Loaded with ``strict=False`` because a target's vision tower is never used here (and the
+    built-in example carries only a placeholder of it). Drafts are always real for this peer:
+    ``--simulate-acceptance`` does not reach into it.
+    """
+
+    def __init__(self, target_dir, drafter_dir):
+        from mlx_vlm import load
+        from mlx_vlm.speculative.drafters import load_drafter
+
+        self.model, self.processor = load(str(target_dir), strict=False)
+        self.drafter, self.kind = load_drafter(str(drafter_dir))
+
+    @staticmethod
+    def available() -> bool:
+        import importlib.util
+
+        return importlib.util.find_spec("mlx_vlm") is not None
+
+    def greedy(self, prompt: list[int], max_tokens: int, block: int, stats: GenerationStats):
+        from mlx_vlm.generate.dispatch import stream_generate
+
+        results = stream_generate(
+            self.model, self.processor, "", input_ids=mx.array([prompt]), max_tokens=max_tokens,
+            temperature=0.0, draft_model=self.drafter, draft_kind=self.kind,
+            draft_block_size=block,
+        )  # fmt: skip
+        tokens, start = [], None
+        for r in results:
+            if r.finish_reason is not None:  # the closing summary repeats the last token
+                break
+            tokens.append(int(r.token))
+            start = start or time.perf_counter()  # time from the first token, as for ours
+        stats.generation_tokens = max(len(tokens) - 1, 0)
+        stats.generation_s = time.perf_counter() - start if start else 0.0
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        return tokens
 
 
 def _fit_acceptance(tokens_per_verify: float, drafts: int) -> float:
@@ -357,8 +406,11 @@ def markdown(doc: dict) -> str:
         lines += [
             "",
             f"**Simulated acceptance**: each draft was replaced by the target's own next "
-            f"token with probability {sim}; acceptance figures below are simulated.",
+            f"token with probability {sim}; acceptance figures below are simulated (our arms "
+            "only: the peers' drafts are real).",
         ]
+    for note in st.get("peer_notes", []):
+        lines += ["", f"Peer note: {note}."]
     lines += [
         "",
         "| arm | tok/s | vs classic | acceptance | tokens/verify | draft ms | verify ms "

@@ -344,6 +344,15 @@ def bench(
             err.print(f"[yellow]{NOTE}[/yellow]")
         loaded = load_pair(model, draft_model, "mtp")
         target, drafter, tokenizer = loaded.target, loaded.drafter, loaded.tokenizer
+    vlm, peer_notes = None, []
+    if peers:
+        if synthetic:
+            peer_notes.append("mlx-vlm: not run (it loads checkpoints from disk; --synthetic "
+                              "builds the model in memory)")  # fmt: skip
+        elif not B.MlxVlmPeer.available():
+            peer_notes.append("mlx-vlm: not installed, not run")
+        else:
+            vlm = B.MlxVlmPeer(loaded.target_dir, loaded.drafter_dir)
     texts = B.DEFAULT_PROMPTS
     if prompts_file is not None:
         if not prompts_file.is_file():
@@ -367,7 +376,7 @@ def bench(
 
         result = B.compare(
             target, drafter, prompts, blocks=block_size, max_tokens=max_tokens, repeats=repeats,
-            simulate=simulate_acceptance, peers=peers, progress=progress,
+            simulate=simulate_acceptance, peers=peers, vlm=vlm, progress=progress,
         )  # fmt: skip
         progress("verify-cost table")
         table = B.verify_cost_table(target, prompts[0], max(3, repeats)) if verify_table else None
@@ -378,7 +387,7 @@ def bench(
         "command": "mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "model": label, "blocks": block_size, "repeats": repeats, "max_tokens": max_tokens,
         "prompts": len(prompts), "simulate_acceptance": simulate_acceptance, "peers": peers,
-        "kernels": kernels, "qmm": qmm,
+        "kernels": kernels, "qmm": qmm, "peer_notes": peer_notes,
     }  # fmt: skip
     doc = B.to_json(result, table, info, settings, gate_doc)
     markdown = B.markdown(doc)

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-EXAMPLE_VERSION = 1
+EXAMPLE_VERSION = 2  # 2: the vision stand-in in its 5-D layout
 NOTE = "built-in example: a tiny random-weight model, so the text is noise"
 
 

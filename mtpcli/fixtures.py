@@ -299,7 +299,9 @@ def write_target(
             config["quantization_config"] = config["quantization"]
         flat = dict(tree_flatten(model.parameters()))
         if layout == "mlx":
-            flat["vision_tower.patch_embed.proj.weight"] = mx.zeros((8, 2, 2, 3), dtype=dtype)
+            # A stand-in for the vision tower, in MLX's conv3d layout [out, T, kH, kW, C] as
+            # mlx-community conversions store it (the loaders drop it; mlx-vlm checks its rank).
+            flat["vision_tower.patch_embed.proj.weight"] = mx.zeros((8, 2, 2, 2, 3), dtype=dtype)
             config.update(text_config=text, vision_config={"depth": 1})
         elif layout == "flat":
             flat = {k[len("language_model.") :]: v for k, v in flat.items()}

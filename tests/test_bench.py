@@ -39,6 +39,17 @@ def test_simulated_acceptance_controls_acceptance(ckpts, capsys):
 def test_peers_run_on_the_same_weights(capsys):
     doc = _bench(capsys, "--block-size", "2", "--peers", "--no-verify-table")
     assert doc["arms"]["mlx_lm"]["same_tokens_as_classic"] is True
+    # mlx-vlm's own MTP decoding of the same checkpoints (installed with the test extra): at
+    # temperature 0 its tokens equal our classic tokens on the example.
+    vlm = doc["arms"]["mlx_vlm-2"]
+    assert vlm["tps"]["median"] > 0 and vlm["same_tokens_as_classic"] is True
+    assert doc["settings"]["peer_notes"] == []
+
+
+def test_the_mlx_vlm_peer_is_not_run_on_synthetic_models(capsys):
+    doc = _bench(capsys, "--synthetic", "tiny", "--block-size", "2", "--peers", "--no-verify-table")
+    assert "mlx_lm" in doc["arms"] and not any(k.startswith("mlx_vlm") for k in doc["arms"])
+    assert "mlx-vlm: not run" in doc["settings"]["peer_notes"][0]
 
 
 def test_bad_bench_arguments(capsys):
