@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten
 from .config import ModelConfig, TextConfig
 from .drafters.qwen3_5_mtp import Qwen35MTP, Qwen35MTPDrafter
 from .models.qwen3_5 import Qwen35Target, build_model
+from .weights import cpu_expert_upcast
 
 SHAPES: dict[str, dict] = {
     # Qwen3.8-27B (and Qwen3.5-27B): ../shared/reference/qwen3_5_mtp.md
@@ -34,6 +35,17 @@ SHAPES: dict[str, dict] = {
         "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
         "tie_word_embeddings": True,
     },
+    # A 35B-A3B-like MoE member (256 experts, 8 routed + 1 shared per token; ~35B weights, ~3B
+    # active): the hybrid layout of the family with sparse MLPs.
+    "qwen3.5-35b-a3b": {
+        "hidden_size": 2048, "num_hidden_layers": 40, "intermediate_size": 512,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "rms_norm_eps": 1e-6, "vocab_size": 248320, "linear_num_value_heads": 32,
+        "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
+        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+    },
     # Small enough for a CPU smoke test, with the real head dimensions.
     "tiny": {
         "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512,
@@ -41,6 +53,15 @@ SHAPES: dict[str, dict] = {
         "rms_norm_eps": 1e-6, "vocab_size": 1024, "linear_num_value_heads": 4,
         "linear_num_key_heads": 2, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
         "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
+    },
+    "tiny-moe": {
+        "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 128,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 256,
+        "rms_norm_eps": 1e-6, "vocab_size": 1024, "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128, "norm_topk_prob": True,
     },
 }  # fmt: skip
 
@@ -74,15 +95,21 @@ def _set(module: nn.Module, dotted: str, value: mx.array) -> None:
 
 def build(name: str, bits: int | None = 4, group_size: int = 64, seed: int = 0):
     """A (target, drafter) pair of shape ``name`` with random weights; bits None = bf16."""
-    text = dict(SHAPES[name], model_type="qwen3_5_text")
+    family = "qwen3_5_moe" if SHAPES[name].get("num_experts") else "qwen3_5"
+    text = dict(SHAPES[name], model_type=f"{family}_text")
     quant = {"group_size": group_size, "bits": bits, "mode": "affine"} if bits else None
-    cfg = ModelConfig("qwen3_5", TextConfig.from_dict(text, "qwen3_5"), quant, (), None, True)
+    cfg = ModelConfig(family, TextConfig.from_dict(text, family), quant, (), None, True)
     model = build_model(cfg)
     if bits:
-        nn.quantize(model, group_size=group_size, bits=bits)
+        # mlx-community conversions keep the routers (mlp.gate, shared_expert_gate) unquantized.
+        nn.quantize(model, group_size=group_size, bits=bits,
+                    class_predicate=lambda path, m: hasattr(m, "to_quantized")
+                    and not path.endswith("gate"))  # fmt: skip
     _randomize(model, bits, seed)
+    cpu_expert_upcast(model)
     target = Qwen35Target(model, cfg)
     dcfg = ModelConfig("qwen3_5_mtp", cfg.text, None, (), 3, True)
     module = Qwen35MTP(dcfg)
     _randomize(module, None, seed + 1)
+    cpu_expert_upcast(module)
     return target, Qwen35MTPDrafter(module, dcfg, target.embed_tokens)

@@ -217,9 +217,12 @@ def check_inventory(expected: dict[str, tuple], weights: dict[str, mx.array], wh
             )
 
 
-def _cpu_expert_upcast(module) -> None:
-    # MLX's CPU backend runs gather_mm (unquantized MoE experts) in float32 only: upcast those
-    # expert weights there, once, at load. Quantized experts (gather_qmm) are unaffected.
+def cpu_expert_upcast(module) -> None:
+    """On the CPU, upcast unquantized MoE expert weights to float32, once, at load.
+
+    MLX's CPU backend runs gather_mm in float32 only; quantized experts (gather_qmm) are
+    unaffected, and nothing changes on a GPU.
+    """
     from mlx_lm.models.switch_layers import SwitchLinear
 
     if mx.default_device() != mx.cpu:
@@ -239,7 +242,7 @@ def load_module_weights(
     expected = {k: (v.shape, v.dtype) for k, v in tree_flatten(module.parameters())}
     check_inventory(expected, weights, where)
     module.load_weights(list(weights.items()), strict=True)
-    _cpu_expert_upcast(module)
+    cpu_expert_upcast(module)
     mx.eval(module.parameters())
     module.eval()
     return module

@@ -70,6 +70,17 @@ def test_synthetic_shape_and_prompts_file(capsys, tmp_path):
     assert run(["bench", "--prompts", str(tmp_path / "missing.txt")]) != 0
 
 
+def test_synthetic_moe_shape(capsys):
+    from mtpcli import synthetic
+
+    big = synthetic.SHAPES["qwen3.5-35b-a3b"]  # built on the GPU machine only (~35B weights)
+    assert big["num_experts"] == 256 and big["num_experts_per_tok"] == 8
+    doc = _bench(capsys, "--synthetic", "tiny-moe", "--bits", "4", "--block-size", "3",
+                 "--no-verify-table")  # fmt: skip
+    assert "synthetic tiny-moe 4-bit" in doc["settings"]["model"]
+    assert doc["arms"]["mtp-3"]["same_tokens_as_classic"] is True
+
+
 def test_bench_reports_the_gate_prediction_beside_the_measurement(capsys, tmp_path):
     from mtpcli import gate
     from mtpcli.bench import _fit_acceptance
