@@ -55,7 +55,7 @@ class GateDecision:
     reason: str
     expected_speedup: float | None
     acceptance: float | None
-    acceptance_source: str  # "forced", "prior" or "last run"
+    acceptance_source: str  # "forced", "prior", "measured while calibrating" or "last run"
 
 
 def tokens_per_round(acceptance: float, drafts: int) -> float:

@@ -42,7 +42,7 @@ def device_read_bandwidth(repeats: int) -> dict:
 
 def launch_floor(repeats: int) -> dict:
     """One tiny product (16 x 128): what a launch costs when the weights are nothing."""
-    w, scales, biases = qm._random_quantized(16, 128, 64, 4, mx.bfloat16, seed=1)
+    w, scales, biases = qm.random_quantized(16, 128, 64, 4, mx.bfloat16, seed=1)
     x = mx.random.normal((1, 128)).astype(mx.bfloat16)
     mx.eval(w, scales, biases, x)
     out = {}
@@ -56,7 +56,7 @@ def launch_floor(repeats: int) -> dict:
 
 
 def layer_costs(k: int, n: int, bits: int, gs: int, repeats: int) -> dict:
-    w, scales, biases = qm._random_quantized(n, k, gs, bits, mx.bfloat16, seed=k + n)
+    w, scales, biases = qm.random_quantized(n, k, gs, bits, mx.bfloat16, seed=k + n)
     nbytes = w.nbytes + scales.nbytes + biases.nbytes
     calls = CALLS if n < 100_000 else 4
     xs = [mx.random.normal((8, k), key=mx.random.key(i)).astype(mx.bfloat16) for i in range(calls)]

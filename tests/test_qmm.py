@@ -22,7 +22,7 @@ def fresh_verdicts():
 
 
 def _layer_inputs(n=40, k=1024, gs=64, bits=4, dtype=mx.bfloat16, m=8, seed=0):
-    w, scales, biases = qm._random_quantized(n, k, gs, bits, dtype, seed=seed)
+    w, scales, biases = qm.random_quantized(n, k, gs, bits, dtype, seed=seed)
     x = mx.random.normal((m, k), key=mx.random.key(seed + 1)).astype(dtype)
     return x, w, scales, biases
 

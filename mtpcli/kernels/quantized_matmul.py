@@ -313,10 +313,13 @@ def quantized_matmul_native(x, w, scales, biases, *, group_size: int, bits: int)
     )[0]
 
 
-def _random_quantized(n: int, k: int, group_size: int, bits: int, dtype, seed: int):
-    kw, ks, kb = mx.random.split(mx.random.key(seed), 3)
-    w = mx.random.randint(0, 2**31, (n, k * bits // 32), dtype=mx.uint32, key=kw)
-    w = w * 2 + (w & 1)  # all 32 bits random
+def random_quantized(n: int, k: int, group_size: int, bits: int, dtype, seed: int):
+    """Random affine-quantized weights [N, K] (packed words, scales, biases) for checks."""
+    kh, kl, ks, kb = mx.random.split(mx.random.key(seed), 4)
+    shape = (n, k * bits // 32)
+    w = (mx.random.randint(0, 2**16, shape, dtype=mx.uint32, key=kh) << 16) | mx.random.randint(
+        0, 2**16, shape, dtype=mx.uint32, key=kl
+    )  # all 32 bits random
     scales = (mx.random.uniform(0.5, 1.5, (n, k // group_size), key=ks) * 0.02).astype(dtype)
     biases = (mx.random.normal((n, k // group_size), key=kb) * 0.1).astype(dtype)
     return w, scales, biases
@@ -325,7 +328,7 @@ def _random_quantized(n: int, k: int, group_size: int, bits: int, dtype, seed: i
 def _self_check(dtype, sdtype, group_size: int, bits: int) -> str | None:
     """Agreement with the reference and row invariance (M = 1, 3, 8), on 40 rows of K = 1024."""
     n, k = 40, 1024  # 40 rows: a partial last tile
-    w, scales, biases = _random_quantized(n, k, group_size, bits, sdtype, seed=7)
+    w, scales, biases = random_quantized(n, k, group_size, bits, sdtype, seed=7)
     x = mx.random.normal((8, k), key=mx.random.key(8)).astype(dtype)
     kw = {"group_size": group_size, "bits": bits}
     try:
