@@ -52,10 +52,8 @@ class Calibration:
 class GateDecision:
     engaged: bool
     block: int  # the block size to run (chosen among the candidates when adapting)
-    reason: str
-    expected_speedup: float | None
-    acceptance: float | None
-    acceptance_source: str  # "forced", "prior", "measured while calibrating" or "last run"
+    reason: str  # names the acceptance used and where it came from
+    expected_speedup: float | None  # None when forced
 
 
 def tokens_per_round(acceptance: float, drafts: int) -> float:
@@ -82,7 +80,7 @@ def decide(cal: Calibration, blocks: list[int], acceptance: float, source: str) 
         + "; "
         + ("MTP engaged" if engaged else f"below {MARGIN:.2f}x, decoding classically")
     )
-    return GateDecision(engaged, block, reason, speedup, acceptance, source)
+    return GateDecision(engaged, block, reason, speedup)
 
 
 def examined(stats: MTPStats) -> int:
@@ -241,7 +239,7 @@ def gate(
     a calibration, which takes a few short generations.
     """
     if forced:
-        return GateDecision(True, block, "forced by --draft-kind mtp", None, None, "forced")
+        return GateDecision(True, block, "forced by --draft-kind mtp", None)
     blocks = sorted({block, *ADAPT_BLOCKS}) if adapt else [block]
     st = store()
     key = machine_key() + "#" + shape_key(target, drafter)

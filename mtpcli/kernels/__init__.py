@@ -25,29 +25,42 @@ QMM_CHOICES = ("mlx", "ours")
 _state: dict = {"mode": None, "qmm": None, "verdicts": {}}
 
 
-def set_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise UsageError(f"--kernels must be one of {', '.join(MODES)}, got {mode!r}")
-    _state["mode"] = mode
+# Each switch: its flag (for messages), its environment variable, its values, its default.
+_SWITCHES = {
+    "mode": ("--kernels", "MTP_KERNELS", MODES, "auto"),
+    "qmm": ("--qmm", "MTP_QMM", QMM_CHOICES, "mlx"),
+}
+
+
+def _set(switch: str, value: str | None) -> None:
+    flag, _, choices, _ = _SWITCHES[switch]
+    if value is not None and value not in choices:
+        raise UsageError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+    _state[switch] = value
+
+
+def _get(switch: str) -> str:
+    if _state[switch] is None:  # first use: the environment, else the default
+        _, env, _, default = _SWITCHES[switch]
+        _set(switch, os.environ.get(env, default))
+    return _state[switch]
+
+
+def set_mode(mode: str | None) -> None:
+    _set("mode", mode)
 
 
 def mode() -> str:
-    if _state["mode"] is None:
-        set_mode(os.environ.get("MTP_KERNELS", "auto"))
-    return _state["mode"]
+    return _get("mode")
 
 
 def set_qmm(choice: str | None) -> None:
-    if choice is not None and choice not in QMM_CHOICES:
-        raise UsageError(f"--qmm must be one of {', '.join(QMM_CHOICES)}, got {choice!r}")
-    _state["qmm"] = choice
+    _set("qmm", choice)
 
 
 def qmm() -> str:
     """Which quantized matmul models loaded from now on use: 'mlx' or 'ours'."""
-    if _state["qmm"] is None:
-        set_qmm(os.environ.get("MTP_QMM", "mlx"))
-    return _state["qmm"]
+    return _get("qmm")
 
 
 def available(name: str) -> bool:

@@ -301,7 +301,7 @@ def _kernel(keep: bool, raw: bool = False):
     return _kernels[key]
 
 
-def _launch(kernel, inputs: list, q, k, v, state, keep_states: bool, extra_types=()):
+def _launch(kernel, inputs: list, q, k, v, keep_states: bool, extra_types=()):
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
     shapes = [(B, T, Hv, Dv), (B, Hv, Dv, Dk)] + ([(T, B, Hv, Dv, Dk)] if keep_states else [])
@@ -329,7 +329,7 @@ def gated_delta_native(q, k, v, g, beta, state, *, keep_states: bool = False):
     if kernel is None:
         return None
     inputs = [q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state.astype(mx.float32)]
-    return _launch(kernel, inputs, q, k, v, state, keep_states)
+    return _launch(kernel, inputs, q, k, v, keep_states)
 
 
 def gated_delta_raw_ops(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bool = False):
@@ -352,7 +352,7 @@ def gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state, *, keep_states=
     inputs = [q, k, v, a.astype(q.dtype), b.astype(q.dtype), A_log, dt_bias,
               state.astype(mx.float32)]  # fmt: skip
     types = [("AT", A_log.dtype), ("DT", dt_bias.dtype)]  # in the name: they type the signature
-    return _launch(kernel, inputs, q, k, v, state, keep_states, types)
+    return _launch(kernel, inputs, q, k, v, keep_states, types)
 
 
 def _random_inputs(dtype, hk: int, hv: int, dk: int, dv: int, T: int = 3):

@@ -415,6 +415,7 @@ class FusedProjection(nn.Module):
         first = linears[0]
         self.group_size, self.bits = first.group_size, first.bits
         self.sizes = [m.weight.shape[0] for m in linears]
+        self._cuts = [sum(self.sizes[: i + 1]) for i in range(len(self.sizes) - 1)]
         for name in ("weight", "scales", "biases"):
             fused = mx.concatenate([m[name] for m in linears])  # [sum(N), ...]
             mx.eval(fused)
@@ -446,11 +447,7 @@ class FusedProjection(nn.Module):
         )  # fmt: skip
 
     def split(self, y: mx.array) -> list[mx.array]:
-        cuts, total = [], 0
-        for n in self.sizes[:-1]:
-            total += n
-            cuts.append(total)
-        return mx.split(y, cuts, axis=-1)
+        return mx.split(y, self._cuts, axis=-1)
 
 
 _OURS = {nn.QuantizedLinear: KernelQuantizedLinear, nn.QuantizedEmbedding: KernelQuantizedEmbedding}
