@@ -297,7 +297,10 @@ def bench(
         help="Swap each draft for the target's own token with this probability.",
     ),
     peers: bool = typer.Option(
-        False, "--peers", help="Also run mlx-lm's decoding on the same weights."
+        False,
+        "--peers",
+        help="Also run mlx-lm's decoding and, for checkpoints on disk, mlx-vlm's MTP, on the "
+        "same weights.",
     ),
     verify_table: bool = typer.Option(
         True, "--verify-table/--no-verify-table", help="Time T = 1..8 forwards."
