@@ -18,6 +18,8 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import mlx.core as mx
@@ -95,19 +97,20 @@ def leave_out(target, cache, T: int, repeats: int, what: str) -> dict:
             states = mx.broadcast_to(state, (q.shape[1], *state.shape)) if keep_states else None
             return y, state, states
     else:
-        original, name = tm._attention_layer, "_attention_layer"
+        original, name = tm._attention_core, "_attention_core"
 
-        def stub(m, x, mask, c, exact):
-            if c is not None:
-                c.update_and_fetch(*(mx.zeros((1, m.num_key_value_heads, x.shape[1], m.head_dim),
-                                              x.dtype),) * 2)  # fmt: skip
-            return mx.zeros_like(x)
+        def stub(m, q, k, v, mask, c):
+            B, L, Hkv, D = k.shape
+            c.update_and_fetch(*(mx.zeros((B, Hkv, L, D), k.dtype),) * 2)
+            return mx.zeros((B, L, q.shape[2] * D), q.dtype)
 
     setattr(tm, name, stub)
+    kernels.changed()  # retrace the compiled layer functions with the stub, and after
     try:
         return forward_cost(target, cache, T, True, repeats)
     finally:
         setattr(tm, name, original)
+        kernels.changed()
 
 
 def matmul_costs(target, T: int, repeats: int, rowwise: bool) -> dict:
@@ -166,9 +169,20 @@ def row_invariance(bits) -> dict:
     return out
 
 
+@contextmanager
+def _compile(choice: str) -> Iterator[None]:
+    before = "on" if kernels.compile_enabled() else "off"
+    kernels.set_compile(choice)
+    try:
+        yield
+    finally:
+        kernels.set_compile(before)
+
+
 def classic_tps(target, prompt, n: int, repeats: int) -> dict:
-    """Classic decode tok/s: ours, ours without the fused projections, ours on MLX's own
-    quantized matmul, and mlx-lm's generate_step, all on the same weights."""
+    """Classic decode tok/s on the same weights: ours (as loaded, and without mx.compile), ours
+    without the fused projections, ours on MLX's own quantized matmul (compiled and not), and
+    mlx-lm's generate_step."""
     from mlx_lm.generate import generate_step
 
     unfused = tm.Qwen35Target(target.model, target.config, fuse=False)
@@ -179,26 +193,34 @@ def classic_tps(target, prompt, n: int, repeats: int) -> dict:
         k = 1 + sum(1 for _ in gen)
         return (k - 1) / (time.perf_counter() - t0)
 
-    def stock_ours():
-        with stock_layers(unfused.model):
-            return rate(generate_classic(unfused, prompt, max_tokens=n))
+    def ours(t):
+        return lambda: rate(generate_classic(t, prompt, max_tokens=n))
 
-    def theirs():
-        with stock_layers(target.model):
-            return rate(generate_step(mx.array(prompt), target.model, max_tokens=n))
-
+    # arm -> (setting held over its warm-up and repeats, run)
     arms = {
-        "ours": lambda: rate(generate_classic(target, prompt, max_tokens=n)),
-        "ours_unfused": lambda: rate(generate_classic(unfused, prompt, max_tokens=n)),
-        "ours_mlx_qmm": stock_ours,
-        "mlx_lm": theirs,
-    }
+        "ours": (nullcontext, ours(target)),
+        "ours_eager": (lambda: _compile("off"), ours(target)),
+        "ours_unfused": (nullcontext, ours(unfused)),
+        "ours_mlx_qmm": (lambda: stock_layers(unfused.model), ours(unfused)),
+        "ours_mlx_qmm_eager": (
+            lambda: _both(stock_layers(unfused.model), _compile("off")), ours(unfused)),
+        "mlx_lm": (lambda: stock_layers(target.model),
+                   lambda: rate(generate_step(mx.array(prompt), target.model, max_tokens=n))),
+    }  # fmt: skip
     res = {}
-    for name, fn in arms.items():
-        fn()  # warm-up (kernel compilation)
-        vals = [fn() for _ in range(repeats)]
+    for name, (setting, fn) in arms.items():
+        with setting():
+            fn()  # warm-up (kernel compilation, tracing)
+            vals = [fn() for _ in range(repeats)]
         res[name] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+        print(f"  {name}: {res[name]['median']:.2f} tok/s", flush=True)
     return res
+
+
+@contextmanager
+def _both(a, b) -> Iterator[None]:
+    with a, b:
+        yield
 
 
 def graph_build_ms(target, cache, repeats: int) -> dict:
@@ -322,9 +344,13 @@ def main() -> None:
 
 
 def _op_name(key: tuple) -> str:
-    (kind, bits, shapes), T, dtype = key
+    sig, T, dtype = key
+    part = ""
+    if isinstance(sig[-1], str):  # (layer signature, part)
+        sig, part = sig[0], f" {sig[-1]}"
+    kind, bits, shapes = sig
     first = shapes[0][1] if shapes else ()
-    return f"{kind}{'' if bits is None else f'/{bits}bit'} {first} T={T} {dtype}"
+    return f"{kind}{part}{'' if bits is None else f'/{bits}bit'} {first} T={T} {dtype}"
 
 
 def _device() -> str:
@@ -376,9 +402,11 @@ def _markdown(res: dict, args) -> str:
                 f"{b['matmuls']:.2f} | {b['matmuls_if_batched']:.2f} | {b['rest']:.2f} |"
             )
         c = res["classic_tps"]
-        labels = {"ours": "ours (fused projections, our kernels)",
+        labels = {"ours": f"ours as run (qmm {res['qmm']}, compiled layer functions)",
+                  "ours_eager": "same, not compiled (op by op)",
                   "ours_unfused": "ours, projections unfused",
                   "ours_mlx_qmm": "ours on MLX's quantized matmul (unfused)",
+                  "ours_mlx_qmm_eager": "same, not compiled",
                   "mlx_lm": "mlx-lm generate_step"}  # fmt: skip
         lines += ["", f"Classic decode, {args.decode_tokens} tokens, median (min-max) of 3, same "
                   f"weights, same run; graph build (CPU, one decode step, no eval) "

@@ -22,27 +22,33 @@ MODES = ("auto", "native", "ops")
 # backend a decode step through it measured slower end to end (docs/benchmark_results/README.md),
 # so it is opt-in until that is understood. The choice is fixed when a model is loaded.
 QMM_CHOICES = ("mlx", "ours")
-_state: dict = {"mode": None, "qmm": None, "verdicts": {}}
+# Decode steps and verify blocks run as mx.compile'd layer functions (a decode step's graph takes
+# ~15 ms of Python to build op by op on the H200's host, as long as the GPU takes to run it).
+COMPILE_CHOICES = ("on", "off")
+_state: dict = {"mode": None, "qmm": None, "compile": None, "verdicts": {}, "generation": 0}
 
 
 # Each switch: its flag (for messages), its environment variable, its values, its default.
 _SWITCHES = {
     "mode": ("--kernels", "MTP_KERNELS", MODES, "auto"),
     "qmm": ("--qmm", "MTP_QMM", QMM_CHOICES, "mlx"),
+    "compile": ("--compile", "MTP_COMPILE", COMPILE_CHOICES, "on"),
 }
 
 
-def _set(switch: str, value: str | None) -> None:
+def _set(switch: str, value: str | None, initial: bool = False) -> None:
     flag, _, choices, _ = _SWITCHES[switch]
     if value is not None and value not in choices:
         raise UsageError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
     _state[switch] = value
+    if not initial:
+        changed()
 
 
 def _get(switch: str) -> str:
     if _state[switch] is None:  # first use: the environment, else the default
         _, env, _, default = _SWITCHES[switch]
-        _set(switch, os.environ.get(env, default))
+        _set(switch, os.environ.get(env, default), initial=True)
     return _state[switch]
 
 
@@ -56,6 +62,24 @@ def mode() -> str:
 
 def set_qmm(choice: str | None) -> None:
     _set("qmm", choice)
+
+
+def set_compile(choice: str | None) -> None:
+    _set("compile", choice)
+
+
+def compile_enabled() -> bool:
+    return _get("compile") == "on"
+
+
+def changed() -> None:
+    """Note that a kernel choice changed: compiled functions traced before are stale."""
+    _state["generation"] += 1
+
+
+def generation() -> int:
+    """Bumped by every change of a switch, a verdict reset or a layer class swap."""
+    return _state["generation"]
 
 
 def qmm() -> str:
@@ -104,3 +128,4 @@ def use_native(name: str, key: tuple, check: Callable[[], str | None]) -> bool:
 
 def reset_verdicts() -> None:
     _state["verdicts"].clear()
+    changed()

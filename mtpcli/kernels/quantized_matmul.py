@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import available, backend, use_native
+from . import available, backend, changed, use_native
 
 MAX_ROWS = 8  # the mma's n dimension
 WARPS = 8  # split-K warps per 16-row tile, reduced in a fixed order
@@ -468,14 +468,21 @@ def install(module: nn.Module, enabled: bool = True) -> int:
         if cls is not None and getattr(m, "mode", "affine") == "affine":
             m.__class__ = cls
             swapped += 1
+    if swapped:
+        changed()
     return swapped
 
 
 @contextmanager
 def stock_layers(module: nn.Module) -> Iterator[None]:
-    """Run a block with mlx's own quantized layers (for a peer measured on the same weights)."""
+    """Run a block with mlx's own quantized layers (for a peer measured on the same weights);
+    the layers that were ours are ours again afterwards, and only those."""
+    ours = [m for _, m in module.named_modules() if type(m) in _STOCK]
     install(module, enabled=False)
     try:
         yield
     finally:
-        install(module)
+        for m in ours:
+            m.__class__ = _OURS[type(m)]
+        if ours:
+            changed()

@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3_5, qwen3_5_moe
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .. import kernels
@@ -29,6 +29,7 @@ from ..kernels.quantized_matmul import FusedProjection
 from ..weights import load_arrays, load_module_weights
 
 PREFILL_CHUNK = 2048
+COMPILE_MAX_T = 16  # decode steps and verify blocks; a prompt's length would trace once per use
 
 
 @dataclass
@@ -62,7 +63,7 @@ class RowPolicy:
         self._seen: dict[tuple, int] = {}  # equal comparisons so far, per unsettled class
         self._sigs: dict[int, tuple] = {}  # id(module) -> (module, signature)
 
-    def signature(self, module) -> tuple:
+    def signature(self, module: nn.Module) -> tuple:
         entry = self._sigs.get(id(module))
         if entry is None:
             params = tree_flatten(module.parameters())
@@ -72,13 +73,14 @@ class RowPolicy:
             self._sigs[id(module)] = entry
         return entry[1]
 
-    def choose(self, key: tuple, batched: Callable[[], mx.array], single: Callable[[], mx.array]):
+    def choose(self, key: tuple, batched: Callable, single: Callable):
+        """``single()`` (the one-position arithmetic) until ``batched()`` settled as equal to it."""
         ok = self.verdicts.get(key)
         if ok:
             return batched()
         out = single()
         if ok is None:
-            if mx.array_equal(batched(), out).item():
+            if _equal(batched(), out):
                 self._seen[key] = self._seen.get(key, 0) + 1
                 if self._seen[key] >= self.CONFIRM:
                     self.verdicts[key] = True
@@ -86,75 +88,71 @@ class RowPolicy:
                 self.verdicts[key] = False
         return out
 
-    def rows(self, fn, x: mx.array, exact: bool, module=None) -> mx.array:
-        """``fn`` over x [B, T, ...]: batched, or position by position where rows differ."""
-        T = x.shape[1]
+    def rows(self, fn: Callable, xs: tuple, exact: bool, sig: tuple):
+        """``fn`` over inputs [B, T, ...]: batched, or position by position where rows differ.
+        ``sig`` names the op class (see ``signature``); ``fn`` may return a tuple."""
+        T = xs[0].shape[1]
         if not exact or T == 1:
-            return fn(x)
-        key = (self.signature(module if module is not None else fn), T, str(x.dtype))
-        return self.choose(
-            key,
-            lambda: fn(x),
-            lambda: mx.concatenate([fn(x[:, t : t + 1]) for t in range(T)], axis=1),
-        )
+            return fn(*xs)
+
+        def single():
+            outs = [fn(*(x[:, t : t + 1] for x in xs)) for t in range(T)]
+            if isinstance(outs[0], tuple):
+                return tuple(mx.concatenate(part, axis=1) for part in zip(*outs, strict=True))
+            return mx.concatenate(outs, axis=1)
+
+        return self.choose((sig, T, str(xs[0].dtype)), lambda: fn(*xs), single)
 
 
-def _gated_delta_layer(
-    m: qwen3_5.GatedDeltaNet, x, cache, exact: bool, policy: RowPolicy, fused=None
-):
+def _equal(a, b) -> bool:
+    if isinstance(a, tuple):
+        return all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return bool(mx.array_equal(a, b).item())
+
+
+def _gated_delta(m: qwen3_5.GatedDeltaNet, x, conv_state, state, keep: bool, fused=None):
+    """The gated-delta mixer on normed x [B, S, H], pure: returns
+    (out [B, S, H], conv_input [B, K-1+S, C], new conv window, state, states if ``keep``)."""
     B, S, _ = x.shape
     n_keep = m.conv_kernel_size - 1
     if fused is not None:  # the four input projections in one product
-        qkv, z, b, a = fused.split(policy.rows(fused, x, exact))
+        qkv, z, b, a = fused.split(fused(x))
     else:
-        qkv = policy.rows(m.in_proj_qkv, x, exact)  # [B, S, C]
-        z = policy.rows(m.in_proj_z, x, exact)  # [B, S, Hv * Dv]
-        b = policy.rows(m.in_proj_b, x, exact)  # [B, S, Hv]
-        a = policy.rows(m.in_proj_a, x, exact)  # [B, S, Hv]
+        qkv, z = m.in_proj_qkv(x), m.in_proj_z(x)  # [B, S, C], [B, S, Hv * Dv]
+        b, a = m.in_proj_b(x), m.in_proj_a(x)  # [B, S, Hv]
     z = z.reshape(B, S, m.num_v_heads, m.head_v_dim)
-
-    conv_state = cache[0]
-    if conv_state is None:
-        conv_state = mx.zeros((B, n_keep, m.conv_dim), dtype=x.dtype)  # [B, K-1, C]
     conv_input = mx.concatenate([conv_state, qkv], axis=1)  # [B, K-1+S, C]
-    cache[0] = mx.contiguous(conv_input[:, conv_input.shape[1] - n_keep :])
-    if exact and S > 1:
-        conv_out = policy.choose(
-            (policy.signature(m.conv1d), S, str(x.dtype)),
-            lambda: m.conv1d(conv_input),
-            lambda: mx.concatenate(
-                [m.conv1d(conv_input[:, t : t + n_keep + 1]) for t in range(S)], axis=1
-            ),
-        )
-    else:
-        conv_out = m.conv1d(conv_input)
-    conv_out = nn.silu(conv_out)  # [B, S, C]
-
+    window = mx.contiguous(conv_input[:, conv_input.shape[1] - n_keep :])
+    conv_out = nn.silu(m.conv1d(conv_input))  # [B, S, C]
     q, k, v = mx.split(conv_out, [m.key_dim, 2 * m.key_dim], axis=-1)
     q = q.reshape(B, S, m.num_k_heads, m.head_k_dim)
     k = k.reshape(B, S, m.num_k_heads, m.head_k_dim)
     v = v.reshape(B, S, m.num_v_heads, m.head_v_dim)
-    state = cache[1]
-    if state is None:
-        state = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
     # q/k normalisation, the decay and beta (mlx-lm's), then the recurrence: one launch where
     # a native kernel runs. Its T steps equal T one-step calls bitwise (chain parity).
-    y, state, states = gated_delta_raw(q, k, v, a, b, m.A_log, m.dt_bias, state, keep_states=exact)
-    cache[1] = state
-
-    out = m.norm(y, z)  # [B, S, Hv, Dv]
-    out = policy.rows(m.out_proj, out.reshape(B, S, -1), exact)
-    return out, (GatedDeltaTrace(conv_input, states) if exact else None)
+    y, state, states = gated_delta_raw(q, k, v, a, b, m.A_log, m.dt_bias, state, keep_states=keep)
+    out = m.out_proj(m.norm(y, z).reshape(B, S, -1))
+    return (out, conv_input, window, state) + ((states,) if keep else ())
 
 
-def _attention_layer(m, x, mask, cache: KVCache, exact: bool):
-    T = x.shape[1]
-    if not exact or T == 1 or mx.default_device() == mx.cpu:
-        # MLX's CPU attention is row-invariant by construction (masked keys add exact zeros).
-        return m(x, mask=mask, cache=cache)
-    # GPU attention kernels differ between one query and a block, and only now and then in
-    # the last bit (a probe can pass by luck): one position at a time, as a decode step runs.
-    return mx.concatenate([m(x[:, t : t + 1], cache=cache) for t in range(T)], axis=1)
+def _attention_pre(m, x):
+    """Normed x [B, T, H] -> queries [B, T, Hq, D], keys, values [B, T, Hkv, D], gate [B, T, Hq*D]
+    (mlx-lm's attention up to the positions)."""
+    B, L, _ = x.shape
+    q, gate = mx.split(m.q_proj(x).reshape(B, L, m.num_attention_heads, -1), 2, axis=-1)
+    k = m.k_norm(m.k_proj(x).reshape(B, L, m.num_key_value_heads, -1))
+    v = m.v_proj(x).reshape(B, L, m.num_key_value_heads, -1)
+    return m.q_norm(q), k, v, gate.reshape(B, L, -1)
+
+
+def _attention_core(m, q, k, v, mask, cache: KVCache) -> mx.array:
+    """Positions, the cache and the product (eager: the cache offset moves every step)."""
+    B, L = q.shape[:2]
+    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [B, heads, L, D]
+    q, k = m.rope(q, offset=cache.offset), m.rope(k, offset=cache.offset)
+    k, v = cache.update_and_fetch(k, v)
+    out = scaled_dot_product_attention(q, k, v, cache=cache, scale=m.scale, mask=mask)
+    return out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # [B, L, Hq * D]
 
 
 def _mlp(fused: FusedProjection, down: nn.Module) -> Callable[[mx.array], mx.array]:
@@ -176,6 +174,9 @@ class Qwen35Target:
         if fuse is None:  # where our kernel runs; on the CPU mlx-lm's exact products stay
             fuse = ours and kernels.backend() != "cpu" and kernels.mode() != "ops"
         self.fused_in, self.fused_mlp = self._fuse() if fuse else ({}, {})
+        self._fns: dict = {}  # (part, layer, keep, compiled) -> pure layer function
+        self._warm: set[int] = set()  # block lengths that ran eagerly once
+        self._generation = kernels.generation()
 
     def _fuse(self) -> tuple[dict, dict]:
         """Per layer: the gated-delta input projections, and the dense MLP's gate and up."""
@@ -208,32 +209,114 @@ class Qwen35Target:
         """Logits [B, T, V] from final-normed hidden states [B, T, H]; ``exact`` as in a verify."""
         if self.config.text.tie_word_embeddings:
             embed = self.embed_tokens
-            return self.policy.rows(embed.as_linear, hidden, exact, module=embed)
-        return self.policy.rows(self.text.lm_head, hidden, exact)
+            return self.policy.rows(embed.as_linear, (hidden,), exact, self.policy.signature(embed))
+        head = self.text.lm_head
+        return self.policy.rows(head, (hidden,), exact, self.policy.signature(head))
+
+    def _fn(self, kind: str, i: int, keep: bool = False, compiled: bool = False) -> Callable:
+        """Layer ``i``'s ``kind`` part as a pure function, mx.compile'd if ``compiled``."""
+        key = (kind, i, keep, compiled)
+        fn = self._fns.get(key)
+        if fn is None:
+            layer = self.layers[i]
+            mlp = self.fused_mlp.get(i, layer.mlp)
+
+            def finish(h, r):  # the residual, then the MLP block
+                h = h + r
+                return h + mlp(layer.post_attention_layernorm(h))
+
+            if kind == "linear":
+                fused = self.fused_in.get(i)
+
+                def fn(h, conv_state, state):
+                    x = layer.input_layernorm(h)
+                    r, *rest = _gated_delta(layer.linear_attn, x, conv_state, state, keep, fused)
+                    return (finish(h, r), *rest)
+            elif kind == "pre":
+
+                def fn(h):
+                    return _attention_pre(layer.self_attn, layer.input_layernorm(h))
+            else:
+
+                def fn(h, o, gate):
+                    return finish(h, layer.self_attn.o_proj(o * mx.sigmoid(gate)))
+
+            fn = self._fns[key] = mx.compile(fn) if compiled else fn
+        return fn
+
+    def _linear_layer(self, i: int, h, cache, verify: bool, compiled: bool):
+        m, T = self.layers[i].linear_attn, h.shape[1]
+        conv_state, state = cache[0], cache[1]
+        if conv_state is None:
+            conv_state = mx.zeros((h.shape[0], m.conv_kernel_size - 1, m.conv_dim), h.dtype)
+        if state is None:  # [B, Hv, Dv, Dk]
+            state = mx.zeros((h.shape[0], m.num_v_heads, m.head_v_dim, m.head_k_dim), mx.float32)
+        if not verify:
+            h, _, cache[0], cache[1] = self._fn("linear", i, False, compiled)(h, conv_state, state)
+            return h, None
+        step = self._fn("linear", i, False, compiled)
+
+        def single():  # position by position, exactly as decode steps
+            hs, window, s, states, rows = [], conv_state, state, [], [conv_state]
+            for t in range(T):
+                ht, conv_input, window, s = step(h[:, t : t + 1], window, s)
+                hs.append(ht)
+                rows.append(conv_input[:, -1:])
+                states.append(s)
+            return mx.concatenate(hs, 1), mx.concatenate(rows, 1), window, s, mx.stack(states)
+
+        batched = self._fn("linear", i, True, compiled)
+        key = (self.policy.signature(self.layers[i]), T, str(h.dtype))
+        if T == 1:
+            out = batched(h, conv_state, state)
+        else:
+            out = self.policy.choose(key, lambda: batched(h, conv_state, state), single)
+        h, conv_input, cache[0], cache[1], states = out
+        return h, GatedDeltaTrace(conv_input, states)
+
+    def _attention_layer(self, i: int, h, mask, cache, verify: bool, compiled: bool):
+        layer, T = self.layers[i], h.shape[1]
+        m, policy = layer.self_attn, self.policy
+        sig = policy.signature(layer)
+        pre, post = self._fn("pre", i, compiled=compiled), self._fn("post", i, compiled=compiled)
+        q, k, v, gate = policy.rows(pre, (h,), verify, (sig, "pre"))
+        if not verify or T == 1 or mx.default_device() == mx.cpu:
+            # MLX's CPU attention is row-invariant by construction (masked keys add exact zeros).
+            o = _attention_core(m, q, k, v, mask, cache)
+        else:
+            # GPU attention kernels differ between one query and a block, and only now and then
+            # in the last bit (a probe can pass by luck): one position at a time, as decode runs.
+            o = mx.concatenate(
+                [_attention_core(m, *(x[:, t : t + 1] for x in (q, k, v)), None, cache)
+                 for t in range(T)], axis=1)  # fmt: skip
+        return policy.rows(post, (h, o, gate), verify, (sig, "post"))
 
     def forward(self, tokens: mx.array, cache: list, *, verify: bool = False) -> ForwardOut:
         """Run tokens [B, T] through the decoder, appending to ``cache``.
 
         ``verify`` keeps the per-position traces for ``rollback`` and computes every position
-        exactly as a one-token decode step would (see ``RowPolicy``).
+        exactly as a one-token decode step would (see ``RowPolicy``). Decode steps and verify
+        blocks run compiled layer functions, after one eager pass per block length (which
+        settles the kernels' self-checks outside any trace).
         """
-        policy = self.policy
+        if self._generation != kernels.generation():  # a kernel choice changed: retrace
+            self._fns.clear()
+            self._warm.clear()
+            self._generation = kernels.generation()
+        T = tokens.shape[1]
+        compiled = kernels.compile_enabled() and T <= COMPILE_MAX_T and T in self._warm
         h = self.embed_tokens(tokens)  # [B, T, H]
         kv = next((c for c, ly in zip(cache, self.layers, strict=True) if not ly.is_linear), None)
         mask = create_attention_mask(h, kv)  # unused where attention goes position by position
         traces: list[GatedDeltaTrace | None] = []
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
-            x = layer.input_layernorm(h)
             if layer.is_linear:
-                r, trace = _gated_delta_layer(
-                    layer.linear_attn, x, c, verify, policy, self.fused_in.get(i)
-                )
+                h, trace = self._linear_layer(i, h, c, verify, compiled)
             else:
-                r, trace = _attention_layer(layer.self_attn, x, mask, c, verify), None
+                h, trace = self._attention_layer(i, h, mask, c, verify, compiled), None
             traces.append(trace)
-            h = h + r
-            mlp = self.fused_mlp.get(i, layer.mlp)
-            h = h + policy.rows(mlp, layer.post_attention_layernorm(h), verify, module=layer.mlp)
+        if T <= COMPILE_MAX_T:
+            self._warm.add(T)
         return ForwardOut(self.text.model.norm(h), traces if verify else None)
 
     def prefill(self, tokens: mx.array, cache: list) -> mx.array:
