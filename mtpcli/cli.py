@@ -136,10 +136,11 @@ def generate(
         help="auto (native kernels after a self-check) | native | ops (reference only).",
     ),  # fmt: skip
     qmm: str = typer.Option(
-        "mlx",
+        "auto",
         "--qmm",
         envvar="MTP_QMM",
-        help="Quantized matmul: mlx (MLX's own) | ours (one weight read for 1-8 rows).",
+        help="Quantized matmul: auto (ours on CUDA, where it measured faster; MLX's elsewhere)"
+        " | mlx (MLX's own) | ours (one weight read for 1-8 rows).",
     ),  # fmt: skip
 ) -> None:
     """Generate text, with MTP speculative decoding when a drafter is given."""
@@ -310,7 +311,9 @@ def bench(
     kernels: str = typer.Option(
         "auto", "--kernels", envvar="MTP_KERNELS", help="auto | native | ops, as for generate."
     ),  # fmt: skip
-    qmm: str = typer.Option("mlx", "--qmm", envvar="MTP_QMM", help="mlx | ours, as for generate."),
+    qmm: str = typer.Option(
+        "auto", "--qmm", envvar="MTP_QMM", help="auto | mlx | ours, as for generate."
+    ),
 ) -> None:
     """Classic vs MTP decoding side by side, with the verify-cost table (medians, min-max)."""
     import os as _os
@@ -319,6 +322,7 @@ def bench(
 
     from . import bench as B
     from .example import NOTE, ensure_example
+    from .kernels import qmm as resolved_qmm
     from .kernels import set_mode, set_qmm
     from .loading import load_pair
 
@@ -391,7 +395,8 @@ def bench(
         "command": "mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "model": label, "blocks": block_size, "repeats": repeats, "max_tokens": max_tokens,
         "prompts": len(prompts), "simulate_acceptance": simulate_acceptance, "peers": peers,
-        "kernels": kernels, "qmm": qmm, "peer_notes": peer_notes,
+        "kernels": kernels, "qmm": resolved_qmm() + (" (auto)" if qmm == "auto" else ""),
+        "peer_notes": peer_notes,
     }  # fmt: skip
     doc = B.to_json(result, table, info, settings, gate_doc)
     markdown = B.markdown(doc)

@@ -31,7 +31,7 @@ def test_install_routes_every_quantized_layer_and_stock_layers_restores(ckpts):
     from mtpcli.loading import load_pair
 
     path, dpath = ckpts.target(bits=4), ckpts.drafter(bits=4, predictable=None, seed=5)
-    default = load_pair(str(path), str(dpath))  # --qmm mlx: mlx's own layers stay
+    default = load_pair(str(path), str(dpath))  # --qmm auto on the CPU: mlx's own layers stay
     stock = [type(m) for _, m in default.target.model.named_modules()]
     assert nn.QuantizedLinear in stock and qm.KernelQuantizedLinear not in stock
     kernels.set_qmm("ours")
@@ -52,6 +52,15 @@ def test_install_routes_every_quantized_layer_and_stock_layers_restores(ckpts):
         assert type(embed) is nn.QuantizedEmbedding
     assert all(type(m) is qm.KernelQuantizedLinear for m in quantized)
     assert qm.install(target.model) == 0  # idempotent: nothing left to swap
+
+
+def test_qmm_auto_picks_ours_on_cuda_only(monkeypatch):
+    monkeypatch.setitem(kernels._state, "qmm", "auto")
+    for backend, want in (("cuda", "ours"), ("metal", "mlx"), ("cpu", "mlx")):
+        monkeypatch.setattr(kernels, "backend", lambda b=backend: b)
+        assert kernels.qmm() == want
+    monkeypatch.setitem(kernels._state, "qmm", "mlx")
+    assert kernels.qmm() == "mlx"  # an explicit choice stands
 
 
 def test_qmm_choice_is_validated():

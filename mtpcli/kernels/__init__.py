@@ -17,11 +17,11 @@ import mlx.core as mx
 from ..errors import UsageError
 
 MODES = ("auto", "native", "ops")
-# Quantized matmuls: MLX's own product (default) or ours (kernels/quantized_matmul.py). Ours is
-# faster per product and makes a T-row verify cost about one row, but on MLX 0.32.4's CUDA
-# backend a decode step through it measured slower end to end (docs/benchmark_results/README.md),
-# so it is opt-in until that is understood. The choice is fixed when a model is loaded.
-QMM_CHOICES = ("mlx", "ours")
+# Quantized matmuls: MLX's own product or ours (kernels/quantized_matmul.py), which reads each
+# weight once for 1-8 rows. ``auto`` picks ours where it was measured faster end to end (CUDA:
+# 77 vs 57 tok/s on the H200, compiled decode steps) and MLX's elsewhere (its Metal product is
+# tuned; our Metal mirror is self-checked but unmeasured). Fixed when a model is loaded.
+QMM_CHOICES = ("auto", "mlx", "ours")
 # Decode steps and verify blocks run as mx.compile'd layer functions (a decode step's graph takes
 # ~15 ms of Python to build op by op on the H200's host, as long as the GPU takes to run it).
 COMPILE_CHOICES = ("on", "off")
@@ -31,7 +31,7 @@ _state: dict = {"mode": None, "qmm": None, "compile": None, "verdicts": {}, "gen
 # Each switch: its flag (for messages), its environment variable, its values, its default.
 _SWITCHES = {
     "mode": ("--kernels", "MTP_KERNELS", MODES, "auto"),
-    "qmm": ("--qmm", "MTP_QMM", QMM_CHOICES, "mlx"),
+    "qmm": ("--qmm", "MTP_QMM", QMM_CHOICES, "auto"),
     "compile": ("--compile", "MTP_COMPILE", COMPILE_CHOICES, "on"),
 }
 
@@ -84,7 +84,10 @@ def generation() -> int:
 
 def qmm() -> str:
     """Which quantized matmul models loaded from now on use: 'mlx' or 'ours'."""
-    return _get("qmm")
+    choice = _get("qmm")
+    if choice == "auto":
+        return "ours" if backend() == "cuda" else "mlx"
+    return choice
 
 
 def available(name: str) -> bool:
