@@ -58,9 +58,13 @@ def mlx_lm_forward_cost(target, prompt: mx.array, T: int, repeats: int) -> dict:
     return timed(run, repeats)
 
 
-def gated_delta_alone(T: int, native: bool, repeats: int, layers: int = 48) -> dict:
+def gated_delta_alone(
+    T: int, native: bool, repeats: int, layers: int = 48, compiled: bool = False
+) -> dict:
     """The whole gated-delta part of a layer from its raw inputs (q/k normalisation, decay,
-    beta, recurrence, per-step states when T > 1), over ``layers`` layers."""
+    beta, recurrence, per-step states when T > 1), over ``layers`` layers. Op by op, 48 small
+    launches are bounded by the host; ``compiled`` builds them as one compiled call, as the
+    model's compiled layer functions do, so the device time shows."""
     B, hk, hv, dk, dv = 1, 16, 48, 128, 128
     q = mx.random.normal((B, T, hk, dk)).astype(mx.bfloat16)
     k = mx.random.normal((B, T, hk, dk)).astype(mx.bfloat16)
@@ -81,8 +85,14 @@ def gated_delta_alone(T: int, native: bool, repeats: int, layers: int = 48) -> d
 
     fn = gd.gated_delta_raw_native if native else ops
 
+    def every_layer(q, k, v, a, b, *states):
+        outs = [fn(q, k, v, a, b, A_log, dt_bias, s, keep_states=T > 1) for s in states]
+        return [x for out in outs for x in out if x is not None]
+
+    call = mx.compile(every_layer) if compiled else every_layer
+
     def run():
-        mx.eval([fn(q, k, v, a, b, A_log, dt_bias, s, keep_states=T > 1) for s in states])
+        mx.eval(call(q, k, v, a, b, *states))
 
     return timed(run, repeats)
 
@@ -254,6 +264,11 @@ def main() -> None:
         help="only the classic-decode arms (e.g. to compare MLX_* settings)",
     )
     ap.add_argument(
+        "--gdn-only",
+        action="store_true",
+        help="only the gated-delta part of 48 layers, ours against mlx-lm's ops (no model)",
+    )
+    ap.add_argument(
         "--qmm",
         default="auto",
         choices=kernels.QMM_CHOICES,
@@ -271,6 +286,18 @@ def main() -> None:
             name = args.name or f"verify_{args.shape}_{args.bits}bit"
             (args.out / f"{name}.partial.json").write_text(json.dumps(res, indent=1, default=str))
 
+    if args.gdn_only:
+        res = {T: {"ours": gated_delta_alone(T, True, args.repeats),
+                   "ours_compiled": gated_delta_alone(T, True, args.repeats, compiled=True),
+                   "mlx_lm_ops": gated_delta_alone(T, False, args.repeats)}
+               for T in TS}  # fmt: skip
+        res = {"device": _device(), "mlx": mx.__version__, "gated_delta_48_layers_ms": res,
+               "load_before": load_before, "load_after": os.getloadavg()}  # fmt: skip
+        print(json.dumps(res, indent=1, default=str))
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{args.name or 'gdn'}.json").write_text(json.dumps(res, indent=1))
+        return
     t0 = time.time()
     bits = None if args.bits == 16 else args.bits
     target, _ = synthetic.build(args.shape, bits=bits)

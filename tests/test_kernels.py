@@ -164,7 +164,7 @@ def test_raw_reference_is_mlx_lm_gating_then_the_recurrence():
     a = (g * 4 - 3).astype(mx.bfloat16)
     b = (beta * 6 - 3).astype(mx.bfloat16)
     A_log, dt_bias = mx.linspace(-2, 1, 4), mx.linspace(-1, 1, 4).astype(mx.bfloat16)
-    got = gd.gated_delta_raw(q * 3, k * 3, v, a, b, A_log, dt_bias, state, keep_states=True)
+    got = gd.gated_delta_raw_ops(q * 3, k * 3, v, a, b, A_log, dt_bias, state, keep_states=True)
     qn, kn = normalize_qk(q * 3, k * 3, inv_scale=64**-0.5, eps=1e-6)
     want = gd.gated_delta_ops(qn, kn, v, compute_g(A_log, a, dt_bias), mx.sigmoid(b), state,
                               keep_states=True)  # fmt: skip

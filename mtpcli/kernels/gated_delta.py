@@ -341,7 +341,7 @@ def gated_delta_raw_ops(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bo
     q, k = normalize_qk(q, k, inv_scale=k.shape[-1] ** -0.5, eps=1e-6)
     g = compute_g(A_log, a, dt_bias)  # [B, T, Hv]
     beta = mx.sigmoid(b)  # [B, T, Hv]
-    return gated_delta(q, k, v, g, beta, state, keep_states=keep_states)
+    return gated_delta_ops(q, k, v, g, beta, state, keep_states=keep_states)
 
 
 def gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state, *, keep_states=False):
