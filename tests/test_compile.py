@@ -36,10 +36,10 @@ def test_compiled_steps_equal_eager_steps_bitwise(load, compile_setting, moe):
     target = load(moe=moe, bits=4).target
     compile_setting("off")
     eager = _decode_hidden(target)
-    assert not any(compiled for *_, compiled in target._fns)
+    assert not target.functions.compiled_keys()
     compile_setting("on")
     fast = _decode_hidden(target)
-    assert any(compiled for *_, compiled in target._fns), "the decode steps never compiled"
+    assert target.functions.compiled_keys(), "the decode steps never compiled"
     assert all(mx.array_equal(a, b).item() for a, b in zip(eager, fast, strict=True))
 
 
@@ -56,7 +56,30 @@ def test_a_kernel_change_retraces(load, compile_setting):
     target = load(bits=4).target
     compile_setting("on")
     _decode_hidden(target, 3)
-    assert target._fns
+    assert target.functions.compiled_keys()
     kernels.changed()
     target.forward(mx.array([[5]]), target.make_cache())
-    assert not any(compiled for *_, compiled in target._fns)  # first pass after it: eager
+    assert not target.functions.compiled_keys()  # the first pass after it runs op by op
+
+
+def test_compiled_drafter_equals_eager_drafter(load, compile_setting):
+    loaded = load(bits=4)
+    target, drafter = loaded.target, loaded.drafter
+    hidden = target.prefill(mx.array([PROMPT]), target.make_cache())
+
+    def chain():  # catch up on the prompt, then four chained one-token steps
+        cache = drafter.make_cache()
+        h = drafter.forward(mx.array([PROMPT[1:] + [7]]), hidden, cache)[:, -1:]
+        outs = [h]
+        for t in range(4):
+            outs.append(drafter.forward(mx.array([[t + 3]]), outs[-1], cache))
+        mx.eval(outs)
+        return outs
+
+    compile_setting("off")
+    eager = chain()
+    compile_setting("on")
+    chain()  # the first pass at each length runs op by op
+    fast = chain()
+    assert drafter.functions.compiled_keys()
+    assert all(mx.array_equal(a, b).item() for a, b in zip(eager, fast, strict=True))

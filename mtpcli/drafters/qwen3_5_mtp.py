@@ -18,6 +18,7 @@ from mlx_lm.models.cache import KVCache
 from .. import kernels
 from ..config import ModelConfig
 from ..kernels import quantized_matmul
+from ..models.qwen3_5 import LayerFunctions, _attention_core, attention_post, attention_pre
 from ..weights import load_arrays, load_module_weights, sanitize_drafter
 
 
@@ -48,18 +49,28 @@ class Qwen35MTPDrafter:
             quantized_matmul.install(module)
         self.block_size = config.block_size or 3
         self.embed_tokens = embed_tokens
+        self.functions = LayerFunctions()  # as the target's: compiled for short blocks
 
     def make_cache(self) -> list:
         return [KVCache() for _ in self.module.layers]
 
     def forward(self, tokens: mx.array, hidden: mx.array, cache: list) -> mx.array:
+        m, fns, L = self.module, self.functions, tokens.shape[1]
+        compiled = fns.begin(L)
+        h = fns.get(("entry",), lambda: self._entry, compiled)(tokens, hidden)  # [B, L, H]
+        mask = create_attention_mask(h, cache[0])
+        for i, (layer, c) in enumerate(zip(m.layers, cache, strict=True)):
+            q, k, v, gate = fns.get(("pre", i), lambda ly=layer: attention_pre(ly), compiled)(h)
+            o = _attention_core(layer.self_attn, q, k, v, mask, c)
+            post = fns.get(("post", i), lambda ly=layer: attention_post(ly, ly.mlp), compiled)
+            h = post(h, o, gate)
+        fns.end(L)
+        return m.norm(h)
+
+    def _entry(self, tokens: mx.array, hidden: mx.array) -> mx.array:
         m = self.module
         e = m.pre_fc_norm_embedding(self.embed_tokens(tokens))  # [B, L, H]
-        h = m.fc(mx.concatenate([e, m.pre_fc_norm_hidden(hidden)], axis=-1))  # [B, L, H]
-        mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(m.layers, cache, strict=True):
-            h = layer(h, mask=mask, cache=c)
-        return m.norm(h)
+        return m.fc(mx.concatenate([e, m.pre_fc_norm_hidden(hidden)], axis=-1))  # [B, L, H]
 
     def trim(self, cache: list, n: int) -> None:
         for c in cache:

@@ -155,6 +155,55 @@ def _attention_core(m, q, k, v, mask, cache: KVCache) -> mx.array:
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # [B, L, Hq * D]
 
 
+class LayerFunctions:
+    """Pure per-layer functions, ``mx.compile``d for blocks of up to ``COMPILE_MAX_T`` tokens.
+
+    A pass at a new block length runs op by op first (so kernels' run-time self-checks never
+    run inside a trace); a change of any kernel switch (``kernels.generation``) drops them.
+    """
+
+    def __init__(self) -> None:
+        self._fns: dict = {}  # (key, compiled) -> function
+        self._warm: set[int] = set()  # block lengths that ran op by op once
+        self._generation = kernels.generation()
+
+    def begin(self, T: int) -> bool:
+        """Start a pass over T tokens; whether it runs compiled."""
+        if self._generation != kernels.generation():  # a kernel choice changed: retrace
+            self._fns.clear()
+            self._warm.clear()
+            self._generation = kernels.generation()
+        return kernels.compile_enabled() and T <= COMPILE_MAX_T and T in self._warm
+
+    def end(self, T: int) -> None:
+        if T <= COMPILE_MAX_T:
+            self._warm.add(T)
+
+    def get(self, key: tuple, make: Callable[[], Callable], compiled: bool) -> Callable:
+        fn = self._fns.get((key, compiled))
+        if fn is None:
+            fn = self._fns[(key, compiled)] = mx.compile(make()) if compiled else make()
+        return fn
+
+    def compiled_keys(self) -> list[tuple]:
+        return [key for key, compiled in self._fns if compiled]
+
+
+def attention_pre(layer: nn.Module) -> Callable:
+    """h [B, T, H] -> queries, keys, values, gate of a full-attention decoder layer."""
+    return lambda h: _attention_pre(layer.self_attn, layer.input_layernorm(h))
+
+
+def attention_post(layer: nn.Module, mlp: Callable) -> Callable:
+    """(h, attention output, gate) -> the layer's output: o_proj, residual, MLP block."""
+
+    def post(h, o, gate):
+        h = h + layer.self_attn.o_proj(o * mx.sigmoid(gate))
+        return h + mlp(layer.post_attention_layernorm(h))
+
+    return post
+
+
 def _mlp(fused: FusedProjection, down: nn.Module) -> Callable[[mx.array], mx.array]:
     """mlx-lm's dense MLP with gate and up as one product."""
     return lambda x: down(swiglu(*fused.split(fused(x))))
@@ -174,9 +223,7 @@ class Qwen35Target:
         if fuse is None:  # where our kernel runs; on the CPU mlx-lm's exact products stay
             fuse = ours and kernels.backend() != "cpu" and kernels.mode() != "ops"
         self.fused_in, self.fused_mlp = self._fuse() if fuse else ({}, {})
-        self._fns: dict = {}  # (part, layer, keep, compiled) -> pure layer function
-        self._warm: set[int] = set()  # block lengths that ran eagerly once
-        self._generation = kernels.generation()
+        self.functions = LayerFunctions()
 
     def _fuse(self) -> tuple[dict, dict]:
         """Per layer: the gated-delta input projections, and the dense MLP's gate and up."""
@@ -214,35 +261,26 @@ class Qwen35Target:
         return self.policy.rows(head, (hidden,), exact, self.policy.signature(head))
 
     def _fn(self, kind: str, i: int, keep: bool = False, compiled: bool = False) -> Callable:
-        """Layer ``i``'s ``kind`` part as a pure function, mx.compile'd if ``compiled``."""
-        key = (kind, i, keep, compiled)
-        fn = self._fns.get(key)
-        if fn is None:
-            layer = self.layers[i]
-            mlp = self.fused_mlp.get(i, layer.mlp)
+        """Layer ``i``'s ``kind`` part ("linear", "pre" or "post") as a pure function."""
+        layer = self.layers[i]
+        mlp = self.fused_mlp.get(i, layer.mlp)
 
-            def finish(h, r):  # the residual, then the MLP block
+        def make() -> Callable:
+            if kind == "pre":
+                return attention_pre(layer)
+            if kind == "post":
+                return attention_post(layer, mlp)
+            fused = self.fused_in.get(i)
+
+            def linear(h, conv_state, state):
+                x = layer.input_layernorm(h)
+                r, *rest = _gated_delta(layer.linear_attn, x, conv_state, state, keep, fused)
                 h = h + r
-                return h + mlp(layer.post_attention_layernorm(h))
+                return (h + mlp(layer.post_attention_layernorm(h)), *rest)
 
-            if kind == "linear":
-                fused = self.fused_in.get(i)
+            return linear
 
-                def fn(h, conv_state, state):
-                    x = layer.input_layernorm(h)
-                    r, *rest = _gated_delta(layer.linear_attn, x, conv_state, state, keep, fused)
-                    return (finish(h, r), *rest)
-            elif kind == "pre":
-
-                def fn(h):
-                    return _attention_pre(layer.self_attn, layer.input_layernorm(h))
-            else:
-
-                def fn(h, o, gate):
-                    return finish(h, layer.self_attn.o_proj(o * mx.sigmoid(gate)))
-
-            fn = self._fns[key] = mx.compile(fn) if compiled else fn
-        return fn
+        return self.functions.get((kind, i, keep), make, compiled)
 
     def _linear_layer(self, i: int, h, cache, verify: bool, compiled: bool):
         m, T = self.layers[i].linear_attn, h.shape[1]
@@ -299,12 +337,8 @@ class Qwen35Target:
         blocks run compiled layer functions, after one eager pass per block length (which
         settles the kernels' self-checks outside any trace).
         """
-        if self._generation != kernels.generation():  # a kernel choice changed: retrace
-            self._fns.clear()
-            self._warm.clear()
-            self._generation = kernels.generation()
         T = tokens.shape[1]
-        compiled = kernels.compile_enabled() and T <= COMPILE_MAX_T and T in self._warm
+        compiled = self.functions.begin(T)
         h = self.embed_tokens(tokens)  # [B, T, H]
         kv = next((c for c, ly in zip(cache, self.layers, strict=True) if not ly.is_linear), None)
         mask = create_attention_mask(h, kv)  # unused where attention goes position by position
@@ -315,8 +349,7 @@ class Qwen35Target:
             else:
                 h, trace = self._attention_layer(i, h, mask, c, verify, compiled), None
             traces.append(trace)
-        if T <= COMPILE_MAX_T:
-            self._warm.add(T)
+        self.functions.end(T)
         return ForwardOut(self.text.model.norm(h), traces if verify else None)
 
     def prefill(self, tokens: mx.array, cache: list) -> mx.array:
