@@ -6,6 +6,7 @@ run, with the machine, its load and the versions beside it.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import random
@@ -13,12 +14,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 
 from .engine import GenerationStats
 from .engine.classic import generate_classic
 from .engine.mtp import draft, generate_mtp
+from .errors import UsageError
 from .kernels import backend as kernel_backend
 from .kernels.quantized_matmul import stock_layers
 from .models.qwen3_5 import cache_arrays
@@ -74,6 +77,26 @@ def timed_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> dict:
         mx.synchronize()
         ms.append((time.perf_counter() - t0) * 1000)
     return spread(ms)
+
+
+def read_prompts(path: Path) -> list[str]:
+    """One prompt per non-empty line; a line that is a JSON string literal is decoded (for
+    prompts with newlines)."""
+    if not path.is_file():
+        raise UsageError(f"--prompts {path} is not a file")
+    texts = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        if line.startswith('"'):
+            try:
+                line = json.loads(line)
+            except json.JSONDecodeError:
+                pass  # a prompt that merely starts with a quote
+        texts.append(line)
+    if not texts:
+        raise UsageError(f"--prompts {path} holds no prompt")
+    return texts
 
 
 def forward_cost(target, cache: list, T: int, verify: bool, repeats: int) -> dict:

@@ -291,7 +291,9 @@ def bench(
     block_size: list[int] = typer.Option([3], "--block-size", help="MTP block size; repeatable."),
     repeats: int = typer.Option(5, "--repeats", min=1),
     max_tokens: int = typer.Option(256, "-n", "--max-tokens", min=1),
-    prompts_file: Path | None = typer.Option(None, "--prompts", help="One prompt per line."),
+    prompts_file: Path | None = typer.Option(
+        None, "--prompts", help="One prompt per line (a JSON string for one with newlines)."
+    ),
     simulate_acceptance: float | None = typer.Option(
         None,
         "--simulate-acceptance",
@@ -321,7 +323,7 @@ def bench(
     from rich.progress import Progress
 
     from . import bench as B
-    from .example import NOTE, ensure_example
+    from .example import NOTE, ensure_example, example_prompts
     from .kernels import qmm as resolved_qmm
     from .kernels import set_mode, set_qmm
     from .loading import load_pair
@@ -345,7 +347,7 @@ def bench(
         target, drafter = S.build(synthetic, bits=None if bits == 16 else bits)
         tokenizer, label = None, f"synthetic {synthetic} {bits}-bit (random weights)"
     else:
-        label = model or "built-in example (tiny, random weights)"
+        label = model or "built-in example (1M parameters, trained on Python's stdlib)"
         if model is None:
             t, d = ensure_example()
             model, draft_model = str(t), draft_model or str(d)
@@ -361,13 +363,9 @@ def bench(
             peer_notes.append("mlx-vlm: not installed, not run")
         else:
             vlm = B.MlxVlmPeer(loaded.target_dir, loaded.drafter_dir)
-    texts = B.DEFAULT_PROMPTS
+    texts = B.DEFAULT_PROMPTS if model is not None or synthetic else example_prompts()[:3]
     if prompts_file is not None:
-        if not prompts_file.is_file():
-            raise UsageError(f"--prompts {prompts_file} is not a file")
-        texts = [line for line in prompts_file.read_text().splitlines() if line.strip()]
-        if not texts:
-            raise UsageError(f"--prompts {prompts_file} holds no prompt")
+        texts = B.read_prompts(prompts_file)
     if tokenizer is not None:
         prompts = [tokenizer.encode(t) for t in texts]
     else:  # random weights know no tokenizer: fixed pseudo-random ids of the same lengths

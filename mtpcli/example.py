@@ -1,18 +1,23 @@
-"""The built-in example: a tiny qwen3_5 target + qwen3_5_mtp drafter, written on first use.
+"""The built-in example: a small trained qwen3_5 target and its qwen3_5_mtp head, shipped in
+the package (``example_model/``, made by ``scripts/train_tiny.py``).
 
-It is loaded through exactly the same code as a real checkpoint. Its weights are random
-(shaped so that drafts are often accepted), so its text is noise.
+It is loaded through exactly the same code as a real checkpoint: an mlx-community-style target
+(VLM-style nesting, tokenizer, chat template) and a standalone drafter with ``block_size``.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-EXAMPLE_VERSION = 2  # 2: the vision stand-in in its 5-D layout
-NOTE = "built-in example: a tiny random-weight model, so the text is noise"
+from .errors import ModelNotFoundError
+
+EXAMPLE_DIR = Path(__file__).parent / "example_model"
+NOTE = (
+    "built-in example: a 1M-parameter model trained on Python's standard library "
+    "(scripts/train_tiny.py), so expect code-like text"
+)
 
 
 def cache_dir() -> Path:
@@ -23,18 +28,17 @@ def cache_dir() -> Path:
 
 
 def ensure_example() -> tuple[Path, Path]:
-    """Paths of the example target and drafter, writing them first if needed."""
-    from .fixtures import write_pair
+    """Paths of the example target and drafter."""
+    target, drafter = EXAMPLE_DIR / "target", EXAMPLE_DIR / "drafter"
+    if not (target / "config.json").is_file() or not (drafter / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"the built-in example is missing from this installation ({EXAMPLE_DIR}); "
+            "reinstall mtp, or pass -m TARGET --draft-model DRAFTER"
+        )
+    return target, drafter
 
-    root = cache_dir() / f"example-v{EXAMPLE_VERSION}"
-    if not (root / "ready").exists():
-        root.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=".example-"))
-        write_pair(tmp, predictable=0.45)
-        (tmp / "ready").write_text("ok\n")
-        shutil.rmtree(root, ignore_errors=True)
-        try:
-            tmp.rename(root)
-        except OSError:  # another process won the race; theirs is as good
-            shutil.rmtree(tmp, ignore_errors=True)
-    return root / "target", root / "drafter"
+
+def example_prompts() -> list[str]:
+    """Held-out prompts of the example (openings of standard-library files it never saw)."""
+    path = EXAMPLE_DIR / "heldout_prompts.txt"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -186,15 +186,17 @@ def _save(out: Path, tensors: dict[str, mx.array], shards: int) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
 
-def write_tokenizer(out: Path) -> None:
-    """A byte-level BPE tokenizer (256 bytes + 3 specials) with a ChatML template."""
+def write_tokenizer(out: Path, tok=None) -> None:
+    """A tokenizer with a ChatML template: ``tok`` (a ``tokenizers.Tokenizer`` holding the
+    special tokens), else a byte-level BPE of 256 bytes + 3 specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {c: i for i, c in enumerate(_bytes_to_unicode())}  # id == byte value
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    if tok is None:
+        vocab = {c: i for i, c in enumerate(_bytes_to_unicode())}  # id == byte value
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(SPECIAL_TOKENS)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
@@ -278,6 +280,7 @@ def write_target(
     shards: int = 1,
     model: nn.Module | None = None,
     drafter: nn.Module | None = None,
+    tokenizer=None,
 ) -> Path:
     """Write a target checkpoint (with tokenizer) in ``layout``: mlx, flat or raw."""
     out = Path(out)
@@ -285,7 +288,7 @@ def write_target(
     moe = bool(text.get("num_experts", 0))
     model_type = "qwen3_5_moe" if moe else "qwen3_5"
     model = model or build_target(text, seed=seed, predictable=predictable, dtype=dtype)
-    config: dict = {"model_type": model_type, "eos_token_id": EOS_ID}
+    config: dict = {"model_type": model_type, "eos_token_id": text.get("eos_token_id", EOS_ID)}
     if layout == "raw":
         if bits:
             raise ValueError("raw Hugging Face checkpoints are not quantized")
@@ -310,7 +313,7 @@ def write_target(
             raise ValueError(f"unknown layout {layout!r}")
     _save(out, flat, shards)
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    write_tokenizer(out)
+    write_tokenizer(out, tokenizer)
     return out
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from mtpcli.cli import run
 
 
@@ -92,3 +94,15 @@ def test_bench_reports_the_gate_prediction_beside_the_measurement(capsys, tmp_pa
     assert g["predicted_speedup"] > 0 and g["measured_speedup"] == doc["speedup"]["3"]
     assert g["gate_engages"] == (g["predicted_speedup"] >= gate.MARGIN)
     assert "predicted" in next(tmp_path.glob("bench-*.md")).read_text()
+
+
+def test_prompt_files_take_json_strings_for_multiline_prompts(tmp_path):
+    from mtpcli.bench import read_prompts
+    from mtpcli.errors import UsageError
+
+    path = tmp_path / "prompts.txt"
+    path.write_text('"def f(x):\\n    return x"\nplain text\n\n"unterminated\n')
+    assert read_prompts(path) == ["def f(x):\n    return x", "plain text", '"unterminated']
+    path.write_text("\n\n")
+    with pytest.raises(UsageError, match="holds no prompt"):
+        read_prompts(path)
