@@ -107,7 +107,7 @@ def leave_out(target, cache, T: int, repeats: int, what: str) -> dict:
             states = mx.broadcast_to(state, (q.shape[1], *state.shape)) if keep_states else None
             return y, state, states
     else:
-        original, name = tm._attention_core, "_attention_core"
+        original, name = tm.attention_core, "attention_core"
 
         def stub(m, q, k, v, mask, c):
             B, L, Hkv, D = k.shape

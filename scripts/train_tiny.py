@@ -119,6 +119,14 @@ def losses(target, head, batch: mx.array):
     return lm, mtp
 
 
+class Pair(nn.Module):
+    """The target and the head as one module, for one optimiser over both."""
+
+    def __init__(self, target: nn.Module, head: nn.Module):
+        super().__init__()
+        self.target, self.head = target, head
+
+
 def _modules(text: dict) -> tuple[nn.Module, nn.Module]:
     cfg = ModelConfig("qwen3_5", TextConfig.from_dict(text, "qwen3_5"), None, (), None, True)
     return build_model(cfg), Qwen35MTP(ModelConfig("qwen3_5_mtp", cfg.text, None, (), 3, True))
@@ -163,16 +171,10 @@ def main() -> None:
 
     text = dict(TEXT, eos_token_id=eos)
     target, head = _modules(text)
-    params = {"target": target, "head": head}
     n_params = sum(v.size for _, v in tree_flatten(target.parameters()))
     print(f"target {n_params / 1e6:.2f}M parameters")
 
-    class Both(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.target, self.head = params["target"], params["head"]
-
-    model = Both()
+    model = Pair(target, head)
     total_steps = args.steps
     warmup = 50
     schedule = optim.join_schedules(

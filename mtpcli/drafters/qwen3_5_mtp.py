@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache
 from .. import kernels
 from ..config import ModelConfig
 from ..kernels import quantized_matmul
-from ..models.qwen3_5 import LayerFunctions, _attention_core, attention_post, attention_pre
+from ..models.qwen3_5 import LayerFunctions, attention_core, attention_post, attention_pre
 from ..weights import load_arrays, load_module_weights, sanitize_drafter
 
 
@@ -61,7 +61,7 @@ class Qwen35MTPDrafter:
         mask = create_attention_mask(h, cache[0])
         for i, (layer, c) in enumerate(zip(m.layers, cache, strict=True)):
             q, k, v, gate = fns.get(("pre", i), lambda ly=layer: attention_pre(ly), compiled)(h)
-            o = _attention_core(layer.self_attn, q, k, v, mask, c)
+            o = attention_core(layer.self_attn, q, k, v, mask, c)
             post = fns.get(("post", i), lambda ly=layer: attention_post(ly, ly.mlp), compiled)
             h = post(h, o, gate)
         fns.end(L)

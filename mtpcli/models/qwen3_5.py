@@ -145,7 +145,7 @@ def _attention_pre(m, x):
     return m.q_norm(q), k, v, gate.reshape(B, L, -1)
 
 
-def _attention_core(m, q, k, v, mask, cache: KVCache) -> mx.array:
+def attention_core(m, q, k, v, mask, cache: KVCache) -> mx.array:
     """Positions, the cache and the product (eager: the cache offset moves every step)."""
     B, L = q.shape[:2]
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [B, heads, L, D]
@@ -289,10 +289,10 @@ class Qwen35Target:
             conv_state = mx.zeros((h.shape[0], m.conv_kernel_size - 1, m.conv_dim), h.dtype)
         if state is None:  # [B, Hv, Dv, Dk]
             state = mx.zeros((h.shape[0], m.num_v_heads, m.head_v_dim, m.head_k_dim), mx.float32)
+        step = self._fn("linear", i, False, compiled)  # what a decode step runs
         if not verify:
-            h, _, cache[0], cache[1] = self._fn("linear", i, False, compiled)(h, conv_state, state)
+            h, _, cache[0], cache[1] = step(h, conv_state, state)
             return h, None
-        step = self._fn("linear", i, False, compiled)
 
         def single():  # position by position, exactly as decode steps
             hs, window, s, states, rows = [], conv_state, state, [], [conv_state]
@@ -320,12 +320,12 @@ class Qwen35Target:
         q, k, v, gate = policy.rows(pre, (h,), verify, (sig, "pre"))
         if not verify or T == 1 or mx.default_device() == mx.cpu:
             # MLX's CPU attention is row-invariant by construction (masked keys add exact zeros).
-            o = _attention_core(m, q, k, v, mask, cache)
+            o = attention_core(m, q, k, v, mask, cache)
         else:
             # GPU attention kernels differ between one query and a block, and only now and then
             # in the last bit (a probe can pass by luck): one position at a time, as decode runs.
             o = mx.concatenate(
-                [_attention_core(m, *(x[:, t : t + 1] for x in (q, k, v)), None, cache)
+                [attention_core(m, *(x[:, t : t + 1] for x in (q, k, v)), None, cache)
                  for t in range(T)], axis=1)  # fmt: skip
         return policy.rows(post, (h, o, gate), verify, (sig, "post"))
 
