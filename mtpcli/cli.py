@@ -337,6 +337,7 @@ def bench(
     if simulate_acceptance is not None and not 0 <= simulate_acceptance <= 1:
         raise UsageError(f"--simulate-acceptance must be in [0, 1], got {simulate_acceptance}")
     load_before = _os.getloadavg()
+    on_example = model is None and not synthetic
     if synthetic:
         from . import synthetic as S
 
@@ -348,7 +349,7 @@ def bench(
         tokenizer, label = None, f"synthetic {synthetic} {bits}-bit (random weights)"
     else:
         label = model or "built-in example (1M parameters, trained on Python's stdlib)"
-        if model is None:
+        if on_example:
             t, d = ensure_example()
             model, draft_model = str(t), draft_model or str(d)
             err.print(f"[yellow]{NOTE}[/yellow]")
@@ -363,7 +364,7 @@ def bench(
             peer_notes.append("mlx-vlm: not installed, not run")
         else:
             vlm = B.MlxVlmPeer(loaded.target_dir, loaded.drafter_dir)
-    texts = B.DEFAULT_PROMPTS if model is not None or synthetic else example_prompts()[:3]
+    texts = example_prompts()[:3] if on_example else B.DEFAULT_PROMPTS
     if prompts_file is not None:
         texts = B.read_prompts(prompts_file)
     if tokenizer is not None:

@@ -107,3 +107,18 @@ def test_prompt_files_take_json_strings_for_multiline_prompts(tmp_path):
     path.write_text("\n\n")
     with pytest.raises(UsageError, match="holds no prompt"):
         read_prompts(path)
+
+
+def test_the_example_is_benched_on_its_held_out_prompts(capsys, monkeypatch):
+    import mtpcli.example as example
+
+    calls = []
+    held_out = example.example_prompts
+
+    def recording():
+        calls.append(1)
+        return held_out()
+
+    monkeypatch.setattr(example, "example_prompts", recording)
+    doc = _bench(capsys, "-n", "2", "--block-size", "2", "--no-verify-table")
+    assert calls and doc["settings"]["prompts"] == 3
