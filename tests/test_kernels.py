@@ -31,7 +31,8 @@ def _chain(fn, q, k, v, g, beta, state):
                          beta[:, t : t + 1], state)  # fmt: skip
         ys.append(y)
         states.append(state)
-    return mx.concatenate(ys, axis=1), state, mx.stack(states)
+    kept = mx.stack(states[:-1]) if len(states) > 1 else mx.zeros((0, *state.shape))
+    return mx.concatenate(ys, axis=1), state, kept
 
 
 def _bitwise(a, b):
@@ -44,7 +45,13 @@ def test_reference_block_equals_chain_of_single_steps(dtype):
     y, final, states = gd.gated_delta_ops(*args, keep_states=True)
     cy, cfinal, cstates = _chain(gd.gated_delta_ops, *args)
     assert _bitwise(y, cy) and _bitwise(final, cfinal) and _bitwise(states, cstates)
-    assert states.shape == (5, 1, 4, 16, 32) and _bitwise(states[-1], final)
+    assert states.shape == (4, 1, 4, 16, 32)  # the last step's state is ``final``, kept once
+
+
+def test_one_step_block_keeps_no_states():
+    args = _inputs(T=1)
+    y, final, states = gd.gated_delta_ops(*args, keep_states=True)
+    assert states.shape == (0, 1, 4, 16, 32) and states.dtype == mx.float32
 
 
 def test_reference_matches_a_float64_recurrence():
@@ -121,7 +128,7 @@ def test_cuda_kernel_matches_reference(dtype, shape):
 
 
 @cuda
-@pytest.mark.parametrize("T", [2, 3, 4, 8])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_cuda_kernel_chain_parity(T, dtype):
     """T steps in one launch == T one-step launches, bitwise (outputs and every state)."""

@@ -1,7 +1,8 @@
 """The gated-delta recurrence of Qwen3.5's linear-attention layers, with per-step states.
 
-The verify pass needs the state after every position so that the rollback can restore the
-state after any accepted prefix without running the target again. One launch runs all T steps
+The verify pass needs the state after every position but the last (that one is the final
+state) so that the rollback can restore the state after any accepted prefix without running
+the target again. One launch runs all T steps
 of a block for all heads. Chain parity: step t of a T-step launch does exactly the arithmetic
 of a one-step launch, so T steps equal T one-step calls bitwise, and MTP equals classic on a
 backend as long as both use the same path (they do: ``gated_delta`` picks per shape class,
@@ -46,19 +47,25 @@ def gated_delta_ops(
     Shapes: q, k [B, T, Hk, Dk] (q/k normalised, readout scale folded into q); v [B, T, Hv, Dv];
     g, beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32.
     Returns y [B, T, Hv, Dv], the final state, and (with ``keep_states``) the state after each
-    step, [T, B, Hv, Dv, Dk].
+    step but the last, [T - 1, B, Hv, Dv, Dk].
     """
     hk, hv = k.shape[2], v.shape[2]
     if hv > hk:
         q = mx.repeat(q, hv // hk, axis=2)
         k = mx.repeat(k, hv // hk, axis=2)
-    ys, states = [], []
-    for t in range(q.shape[1]):
+    T, ys, states = q.shape[1], [], []
+    for t in range(T):
         y, state = _step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
         ys.append(y)
-        if keep_states:
+        if keep_states and t < T - 1:
             states.append(state)
-    return mx.stack(ys, axis=1), state, (mx.stack(states) if keep_states else None)
+    if not keep_states:
+        return mx.stack(ys, axis=1), state, None
+    return mx.stack(ys, axis=1), state, mx.stack(states) if states else _no_states(state)
+
+
+def _no_states(state: mx.array) -> mx.array:
+    return mx.zeros((0, *state.shape), mx.float32)  # [0, B, Hv, Dv, Dk]: a one-step block
 
 
 # T and B are read from k's shape at run time, so one compiled variant serves every block and
@@ -153,14 +160,14 @@ _METAL_SOURCE = """
 """
 
 # The splices, per backend: {name: (cuda, metal)}. Only the keep-states variant has the
-# ``states`` output [T, B, Hv, Dv, Dk]: the store after each step is spliced in, so both
-# variants run the same arithmetic.
+# ``states`` output [T - 1, B, Hv, Dv, Dk]: the store after each step but the last (which is
+# state_out) is spliced in, so both variants run the same arithmetic.
 _KEEP = (
-    """{
+    """if (t + 1 < T) {
         float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv) * Dk + lane * NPT;
         for (int i = 0; i < NPT; ++i) s_t[i] = s[i];
       }""",
-    """{
+    """if (t + 1 < T) {
         device float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv) * Dk + lane * NPT;
         for (int i = 0; i < NPT; ++i) s_t[i] = s[i];
       }""",
@@ -304,7 +311,7 @@ def _kernel(keep: bool, raw: bool = False):
 def _launch(kernel, inputs: list, q, k, v, keep_states: bool, extra_types=()):
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
-    shapes = [(B, T, Hv, Dv), (B, Hv, Dv, Dk)] + ([(T, B, Hv, Dv, Dk)] if keep_states else [])
+    shapes = [(B, T, Hv, Dv), (B, Hv, Dv, Dk)] + ([(T - 1, B, Hv, Dv, Dk)] if keep_states else [])
     out = kernel(
         inputs=inputs,
         template=[
@@ -323,13 +330,24 @@ def _launch(kernel, inputs: list, q, k, v, keep_states: bool, extra_types=()):
     return out[0], out[1], (out[2] if keep_states else None)
 
 
+def _keeps(q, keep_states: bool) -> bool:
+    """Whether the launch writes per-step states (a one-step block has none to write)."""
+    return keep_states and q.shape[1] > 1
+
+
+def _with_states(out, keep_states: bool):
+    y, state, states = out
+    return y, state, (_no_states(state) if keep_states and states is None else states)
+
+
 def gated_delta_native(q, k, v, g, beta, state, *, keep_states: bool = False):
     """The native kernel (same contract as ``gated_delta_ops``); None where there is none."""
-    kernel = _kernel(keep_states)
+    kernel = _kernel(_keeps(q, keep_states))
     if kernel is None:
         return None
     inputs = [q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state.astype(mx.float32)]
-    return _launch(kernel, inputs, q, k, v, keep_states)
+    out = _launch(kernel, inputs, q, k, v, _keeps(q, keep_states))
+    return _with_states(out, keep_states)
 
 
 def gated_delta_raw_ops(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bool = False):
@@ -346,13 +364,14 @@ def gated_delta_raw_ops(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bo
 
 def gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state, *, keep_states=False):
     """The native kernel with the gating folded in; None where there is none."""
-    kernel = _kernel(keep_states, raw=True)
+    kernel = _kernel(_keeps(q, keep_states), raw=True)
     if kernel is None:
         return None
     inputs = [q, k, v, a.astype(q.dtype), b.astype(q.dtype), A_log, dt_bias,
               state.astype(mx.float32)]  # fmt: skip
     types = [("AT", A_log.dtype), ("DT", dt_bias.dtype)]  # in the name: they type the signature
-    return _launch(kernel, inputs, q, k, v, keep_states, types)
+    out = _launch(kernel, inputs, q, k, v, _keeps(q, keep_states), types)
+    return _with_states(out, keep_states)
 
 
 def _random_inputs(dtype, hk: int, hv: int, dk: int, dv: int, T: int = 3):

@@ -37,7 +37,7 @@ class GatedDeltaTrace:
     """What one verify pass left behind in one gated-delta layer, for the rollback."""
 
     conv_input: mx.array  # [B, K-1+T, C]: the old conv window followed by the T new inputs
-    states: mx.array  # [T, B, Hv, Dv, Dk]: the recurrent state after each position
+    states: mx.array  # [T - 1, B, Hv, Dv, Dk]: the state after each position but the last
 
 
 @dataclass
@@ -301,7 +301,8 @@ class Qwen35Target:
                 hs.append(ht)
                 rows.append(conv_input[:, -1:])
                 states.append(s)
-            return mx.concatenate(hs, 1), mx.concatenate(rows, 1), window, s, mx.stack(states)
+            return (mx.concatenate(hs, 1), mx.concatenate(rows, 1), window, s,
+                    mx.stack(states[:-1]))  # fmt: skip
 
         batched = self._fn("linear", i, True, compiled)
         key = (self.policy.signature(self.layers[i]), T, str(h.dtype))
