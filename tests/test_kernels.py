@@ -193,3 +193,32 @@ def test_cuda_raw_kernel_passes_its_check_and_keeps_chain_parity(dtype):
     y, final, states = run(q, k, v, a, b, state)
     cy, cfinal, cstates = _chain(lambda *x: run(*x), q, k, v, a, b, state)
     assert _bitwise(y, cy) and _bitwise(final, cfinal) and _bitwise(states, cstates)
+
+
+def test_kernel_names_change_with_their_source(monkeypatch):
+    """MLX's CUDA backend caches compiled kernels on disk by name: a new source needs a new name,
+    or an upgraded install would run the old machine code."""
+    from mtpcli.kernels import quantized_matmul as qm
+
+    names = {gd._spec(False, keep, raw)["name"] for keep in (False, True) for raw in (False, True)}
+    assert len(names) == 4
+    before = gd._spec(False, True, True)["name"]
+    monkeypatch.setattr(gd, "_CUDA_SOURCE", gd._CUDA_SOURCE.replace("lane == 0", "lane == 1"))
+    assert gd._spec(False, True, True)["name"] != before
+    assert qm._spec(qm._CUDA_SOURCE, "")["name"] != qm._spec(qm._CUDA_SOURCE + " ", "")["name"]
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 3])
+def test_cuda_raw_kernel_reads_strided_views_as_their_copies(T):
+    """In a verify block q, k, v, a and b are views into one projection output; the kernel reads
+    them through their strides, bitwise as it reads contiguous copies."""
+    q, k, v, g, beta, state = _inputs(T=T, hk=16, hv=48, dk=128, dv=128, seed=11)
+    a, b = (g * 4 - 3).astype(mx.bfloat16), (beta * 6 - 3).astype(mx.bfloat16)
+    views = gd._views((q * 3, k * 3, v)) + gd._views((a, b))
+    copies = [q * 3, k * 3, v, a, b]  # computed arrays: row-contiguous
+    mx.eval(views, copies)
+    A_log, dt_bias = mx.linspace(-2, 1, 48), mx.linspace(-1, 1, 48).astype(mx.bfloat16)
+    got = gd.gated_delta_raw_native(*views, A_log, dt_bias, state, keep_states=True)
+    want = gd.gated_delta_raw_native(*copies, A_log, dt_bias, state, keep_states=True)
+    assert all(_bitwise(x, y) for x, y in zip(got, want, strict=True))

@@ -8,6 +8,7 @@ backend has one), ``native`` (skip the check), ``ops`` (reference only).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from collections.abc import Callable
@@ -50,6 +51,14 @@ def _get(switch: str) -> str:
         _, env, _, default = _SWITCHES[switch]
         _set(switch, os.environ.get(env, default), initial=True)
     return _state[switch]
+
+
+def kernel_name(base: str, *sources: str) -> str:
+    """A kernel's name, unique to its source: MLX's CUDA backend caches compiled kernels on
+    disk by name alone (``MLX_PTX_CACHE_DIR``, by default under the temp directory), so a
+    changed source under an old name would run the old machine code."""
+    digest = hashlib.sha256("\0".join(sources).encode()).hexdigest()[:12]
+    return f"{base}_{digest}"
 
 
 def set_mode(mode: str | None) -> None:

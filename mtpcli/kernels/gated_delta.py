@@ -11,10 +11,12 @@ not per T).
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from . import available, backend, use_native
+from . import available, backend, kernel_name, use_native
 
 
 @mx.compile
@@ -64,6 +66,11 @@ def gated_delta_ops(
     return mx.stack(ys, axis=1), state, mx.stack(states) if states else _no_states(state)
 
 
+def _dense(state: mx.array) -> mx.array:
+    # The kernel reads the state row-contiguous (a fresh cache's zeros are a broadcast).
+    return mx.contiguous(state.astype(mx.float32))
+
+
 def _no_states(state: mx.array) -> mx.array:
     return mx.zeros((0, *state.shape), mx.float32)  # [0, B, Hv, Dv, Dk]: a one-step block
 
@@ -85,9 +92,9 @@ _CUDA_SOURCE = """
     const int b = n / Hv;
     const int hv = n % Hv;
     const int hk = hv / (Hv / Hk);
-    const InT* q_ = q + (size_t)b * T * Hk * Dk + hk * Dk + lane * NPT;
-    const InT* k_ = k + (size_t)b * T * Hk * Dk + hk * Dk + lane * NPT;
-    const InT* v_ = v + (size_t)b * T * Hv * Dv + hv * Dv + dv;
+    const InT* q_ = q + b * q_strides[0] + hk * q_strides[2] + lane * NPT * q_strides[3];
+    const InT* k_ = k + b * k_strides[0] + hk * k_strides[2] + lane * NPT * k_strides[3];
+    const InT* v_ = v + b * v_strides[0] + hv * v_strides[2] + dv * v_strides[3];
     InT* y_ = y + (size_t)b * T * Hv * Dv + hv * Dv + dv;
     GATE_INPUTS
     const float* s_in = state_in + ((size_t)n * Dv + dv) * Dk + lane * NPT;
@@ -103,7 +110,7 @@ _CUDA_SOURCE = """
         kv = kv + s[i] * kn[i];
       }
       for (int off = 16; off > 0; off >>= 1) kv = kv + __shfl_xor_sync(0xffffffffu, kv, off);
-      const float delta = (static_cast<float>(v_[t * Hv * Dv]) - kv) * bt;
+      const float delta = (static_cast<float>(v_[t * v_strides[1]]) - kv) * bt;
       float o = 0.0f;
       for (int i = 0; i < NPT; ++i) {
         s[i] = s[i] + kn[i] * delta;
@@ -127,9 +134,9 @@ _METAL_SOURCE = """
     const int b = n / Hv;
     const int hv = n % Hv;
     const int hk = hv / (Hv / Hk);
-    device const InT* q_ = q + (size_t)b * T * Hk * Dk + hk * Dk + lane * NPT;
-    device const InT* k_ = k + (size_t)b * T * Hk * Dk + hk * Dk + lane * NPT;
-    device const InT* v_ = v + (size_t)b * T * Hv * Dv + hv * Dv + dv;
+    device const InT* q_ = q + b * q_strides[0] + hk * q_strides[2] + lane * NPT * q_strides[3];
+    device const InT* k_ = k + b * k_strides[0] + hk * k_strides[2] + lane * NPT * k_strides[3];
+    device const InT* v_ = v + b * v_strides[0] + hv * v_strides[2] + dv * v_strides[3];
     device InT* y_ = y + (size_t)b * T * Hv * Dv + hv * Dv + dv;
     GATE_INPUTS
     device const float* s_in = state_in + ((size_t)n * Dv + dv) * Dk + lane * NPT;
@@ -145,7 +152,7 @@ _METAL_SOURCE = """
         kv = kv + s[i] * kn[i];
       }
       for (ushort off = 16; off > 0; off >>= 1) kv = kv + simd_shuffle_xor(kv, off);
-      const float delta = (static_cast<float>(v_[t * Hv * Dv]) - kv) * bt;
+      const float delta = (static_cast<float>(v_[t * v_strides[1]]) - kv) * bt;
       float o = 0.0f;
       for (int i = 0; i < NPT; ++i) {
         s[i] = s[i] + kn[i] * delta;
@@ -174,25 +181,25 @@ _KEEP = (
 )
 _PLAIN = {
     "GATE_INPUTS": (
-        """const float* g_ = g + (size_t)b * T * Hv + hv;
-    const float* beta_ = beta + (size_t)b * T * Hv + hv;""",
-        """device const float* g_ = g + (size_t)b * T * Hv + hv;
-    device const float* beta_ = beta + (size_t)b * T * Hv + hv;""",
+        """const float* g_ = g + b * g_strides[0] + hv * g_strides[2];
+    const float* beta_ = beta + b * beta_strides[0] + hv * beta_strides[2];""",
+        """device const float* g_ = g + b * g_strides[0] + hv * g_strides[2];
+    device const float* beta_ = beta + b * beta_strides[0] + hv * beta_strides[2];""",
     ),
     "GATES": (
-        """const float gt = g_[t * Hv];
-      const float bt = beta_[t * Hv];""",
-        """const float gt = g_[t * Hv];
-      const float bt = beta_[t * Hv];""",
+        """const float gt = g_[t * g_strides[1]];
+      const float bt = beta_[t * beta_strides[1]];""",
+        """const float gt = g_[t * g_strides[1]];
+      const float bt = beta_[t * beta_strides[1]];""",
     ),
     "QK": (
         """for (int i = 0; i < NPT; ++i) {
-        qn[i] = static_cast<float>(q_[t * Hk * Dk + i]);
-        kn[i] = static_cast<float>(k_[t * Hk * Dk + i]);
+        qn[i] = static_cast<float>(q_[t * q_strides[1] + i * q_strides[3]]);
+        kn[i] = static_cast<float>(k_[t * k_strides[1] + i * k_strides[3]]);
       }""",
         """for (int i = 0; i < NPT; ++i) {
-        qn[i] = static_cast<float>(q_[t * Hk * Dk + i]);
-        kn[i] = static_cast<float>(k_[t * Hk * Dk + i]);
+        qn[i] = static_cast<float>(q_[t * q_strides[1] + i * q_strides[3]]);
+        kn[i] = static_cast<float>(k_[t * k_strides[1] + i * k_strides[3]]);
       }""",
     ),
 }
@@ -201,15 +208,15 @@ _PLAIN = {
 # float32; sigmoid(b) in the input dtype.
 _RAW = {
     "GATE_INPUTS": (
-        """const InT* a_ = a + (size_t)b * T * Hv + hv;
-    const InT* b_ = bb + (size_t)b * T * Hv + hv;
+        """const InT* a_ = a + b * a_strides[0] + hv * a_strides[2];
+    const InT* b_ = bb + b * bb_strides[0] + hv * bb_strides[2];
     const float neg_a = -expf(static_cast<float>(A_log[hv]));
     const float dtb = static_cast<float>(dt_bias[hv]);
     #define RD(x) static_cast<float>(static_cast<InT>(x))  // rounded to the input dtype
     const float qs = RD(1.0f / Dk);
     const float ks = RD(rsqrtf(static_cast<float>(Dk)));""",
-        """device const InT* a_ = a + (size_t)b * T * Hv + hv;
-    device const InT* b_ = bb + (size_t)b * T * Hv + hv;
+        """device const InT* a_ = a + b * a_strides[0] + hv * a_strides[2];
+    device const InT* b_ = bb + b * bb_strides[0] + hv * bb_strides[2];
     const float neg_a = -exp(static_cast<float>(A_log[hv]));
     const float dtb = static_cast<float>(dt_bias[hv]);
     #define RD(x) static_cast<float>(static_cast<InT>(x))  // rounded to the input dtype
@@ -217,20 +224,20 @@ _RAW = {
     const float ks = RD(rsqrt(static_cast<float>(Dk)));""",
     ),
     "GATES": (
-        """const float x = RD(static_cast<float>(a_[t * Hv]) + dtb);
+        """const float x = RD(static_cast<float>(a_[t * a_strides[1]]) + dtb);
       const float sp = RD(fmaxf(x, 0.0f) + logf(1.0f + expf(-fabsf(x))));
       const float gt = expf(neg_a * sp);
-      const float bt = RD(1.0f / (1.0f + expf(-static_cast<float>(b_[t * Hv]))));""",
-        """const float x = RD(static_cast<float>(a_[t * Hv]) + dtb);
+      const float bt = RD(1.0f / (1.0f + expf(-static_cast<float>(b_[t * bb_strides[1]]))));""",
+        """const float x = RD(static_cast<float>(a_[t * a_strides[1]]) + dtb);
       const float sp = RD(fmax(x, 0.0f) + log(1.0f + exp(-fabs(x))));
       const float gt = exp(neg_a * sp);
-      const float bt = RD(1.0f / (1.0f + exp(-static_cast<float>(b_[t * Hv]))));""",
+      const float bt = RD(1.0f / (1.0f + exp(-static_cast<float>(b_[t * bb_strides[1]]))));""",
     ),
     "QK": (
         """float sq = 0.0f, sk = 0.0f;
       for (int i = 0; i < NPT; ++i) {
-        qn[i] = static_cast<float>(q_[t * Hk * Dk + i]);
-        kn[i] = static_cast<float>(k_[t * Hk * Dk + i]);
+        qn[i] = static_cast<float>(q_[t * q_strides[1] + i * q_strides[3]]);
+        kn[i] = static_cast<float>(k_[t * k_strides[1] + i * k_strides[3]]);
         sq = sq + qn[i] * qn[i];
         sk = sk + kn[i] * kn[i];
       }
@@ -246,8 +253,8 @@ _RAW = {
       }""",
         """float sq = 0.0f, sk = 0.0f;
       for (int i = 0; i < NPT; ++i) {
-        qn[i] = static_cast<float>(q_[t * Hk * Dk + i]);
-        kn[i] = static_cast<float>(k_[t * Hk * Dk + i]);
+        qn[i] = static_cast<float>(q_[t * q_strides[1] + i * q_strides[3]]);
+        kn[i] = static_cast<float>(k_[t * k_strides[1] + i * k_strides[3]]);
         sq = sq + qn[i] * qn[i];
         sk = sk + kn[i] * kn[i];
       }
@@ -280,11 +287,17 @@ def _source(metal: bool, keep: bool, raw: bool) -> str:
 
 def _spec(metal: bool, keep: bool, raw: bool) -> dict:
     """The arguments both backends' kernel factories take, for one variant."""
+    source = _source(metal, keep, raw)
     return {
-        "name": f"mtp_gated_delta{'_raw' if raw else ''}{'_keep' if keep else ''}",
+        "name": kernel_name(
+            f"mtp_gated_delta{'_raw' if raw else ''}{'_keep' if keep else ''}", source
+        ),  # fmt: skip
         "input_names": _INPUTS[raw],
         "output_names": ["y", "state_out"] + (["states"] if keep else []),
-        "source": _source(metal, keep, raw),
+        "source": source,
+        # q, k, v and the gate inputs are read through their strides (in a verify block they
+        # are views into the projections' output: a copy each would be a launch each).
+        "ensure_row_contiguous": False,
     }
 
 
@@ -345,7 +358,7 @@ def gated_delta_native(q, k, v, g, beta, state, *, keep_states: bool = False):
     kernel = _kernel(_keeps(q, keep_states))
     if kernel is None:
         return None
-    inputs = [q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state.astype(mx.float32)]
+    inputs = [q, k, v, g.astype(mx.float32), beta.astype(mx.float32), _dense(state)]
     out = _launch(kernel, inputs, q, k, v, _keeps(q, keep_states))
     return _with_states(out, keep_states)
 
@@ -367,8 +380,8 @@ def gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state, *, keep_states=
     kernel = _kernel(_keeps(q, keep_states), raw=True)
     if kernel is None:
         return None
-    inputs = [q, k, v, a.astype(q.dtype), b.astype(q.dtype), A_log, dt_bias,
-              state.astype(mx.float32)]  # fmt: skip
+    inputs = [q, k, v, a.astype(q.dtype), b.astype(q.dtype), mx.contiguous(A_log),
+              mx.contiguous(dt_bias), _dense(state)]  # fmt: skip
     types = [("AT", A_log.dtype), ("DT", dt_bias.dtype)]  # in the name: they type the signature
     out = _launch(kernel, inputs, q, k, v, _keeps(q, keep_states), types)
     return _with_states(out, keep_states)
@@ -382,7 +395,19 @@ def _random_inputs(dtype, hk: int, hv: int, dk: int, dv: int, T: int = 3):
     g = mx.random.uniform(0.5, 1.0, (1, T, hv), key=kg)
     beta = mx.random.uniform(0.0, 1.0, (1, T, hv), key=kb)
     state = mx.random.normal((1, hv, dv, dk), key=ks) * 0.1
+    # As the model passes them: views into one projection output, so strides are checked too.
+    q, k, v = _views((q, k, v))
+    g, beta = _views((g, beta))
     return q, k, v, g, beta, state
+
+
+def _views(xs: tuple) -> list[mx.array]:
+    """The arrays xs [B, T, ...] as slices of their concatenation along the last axis."""
+    B, T = xs[0].shape[:2]
+    whole = mx.concatenate([x.reshape(B, T, -1) for x in xs], axis=-1)  # [B, T, sum]
+    ends = list(itertools.accumulate(x[0, 0].size for x in xs))
+    parts = mx.split(whole, ends[:-1], axis=-1)
+    return [p.reshape(x.shape) for p, x in zip(parts, xs, strict=True)]
 
 
 def _compare(got, want, dtype) -> str | None:
@@ -408,8 +433,7 @@ def _self_check(dtype, hk: int, hv: int, dk: int, dv: int) -> str | None:
 def _self_check_raw(dtype, hk: int, hv: int, dk: int, dv: int, gate_dtypes) -> str | None:
     q, k, v, g, beta, state = _random_inputs(dtype, hk, hv, dk, dv)
     q, k = q * 3.0, k * 3.0  # not normalised: the kernel must normalise them
-    a = (g * 4.0 - 3.0).astype(dtype)  # [1, T, hv] spanning softplus's curve
-    b = (beta * 6.0 - 3.0).astype(dtype)
+    b, a = _views(((beta * 6.0 - 3.0).astype(dtype), (g * 4.0 - 3.0).astype(dtype)))
     A_log = mx.linspace(-2.0, 1.0, hv).astype(gate_dtypes[0])
     dt_bias = mx.linspace(-1.0, 1.0, hv).astype(gate_dtypes[1])
     try:

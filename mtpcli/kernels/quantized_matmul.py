@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import available, backend, changed, use_native
+from . import available, backend, changed, kernel_name, use_native
 
 MAX_ROWS = 8  # the mma's n dimension
 WARPS = 8  # split-K warps per 16-row tile, reduced in a fixed order
@@ -263,7 +263,7 @@ _kernels: dict = {}
 
 def _spec(source: str, header: str) -> dict:
     return {
-        "name": "mtp_qmm",
+        "name": kernel_name("mtp_qmm", source, header),
         "input_names": _INPUTS,
         "output_names": ["y"],
         "source": source,
