@@ -24,6 +24,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from .. import kernels
 from ..config import ModelConfig
 from ..kernels import quantized_matmul
+from ..kernels.conv_window import conv_silu
 from ..kernels.gated_delta import gated_delta_raw
 from ..kernels.quantized_matmul import FusedProjection
 from ..weights import load_arrays, load_module_weights
@@ -114,16 +115,15 @@ def _gated_delta(m: qwen3_5.GatedDeltaNet, x, conv_state, state, keep: bool, fus
     """The gated-delta mixer on normed x [B, S, H], pure: returns
     (out [B, S, H], conv_input [B, K-1+S, C], new conv window, state, states if ``keep``)."""
     B, S, _ = x.shape
-    n_keep = m.conv_kernel_size - 1
     if fused is not None:  # the four input projections in one product
         qkv, z, b, a = fused.split(fused(x))
     else:
         qkv, z = m.in_proj_qkv(x), m.in_proj_z(x)  # [B, S, C], [B, S, Hv * Dv]
         b, a = m.in_proj_b(x), m.in_proj_a(x)  # [B, S, Hv]
     z = z.reshape(B, S, m.num_v_heads, m.head_v_dim)
-    conv_input = mx.concatenate([conv_state, qkv], axis=1)  # [B, K-1+S, C]
-    window = mx.contiguous(conv_input[:, conv_input.shape[1] - n_keep :])
-    conv_out = nn.silu(m.conv1d(conv_input))  # [B, S, C]
+    # [B, S, C], the window and inputs [B, K-1+S, C], the new window [B, K-1, C]: one launch
+    # where a native kernel runs
+    conv_out, conv_input, window = conv_silu(qkv, conv_state, m.conv1d.weight)
     q, k, v = mx.split(conv_out, [m.key_dim, 2 * m.key_dim], axis=-1)
     q = q.reshape(B, S, m.num_k_heads, m.head_k_dim)
     k = k.reshape(B, S, m.num_k_heads, m.head_k_dim)
