@@ -2,11 +2,10 @@
 
 The verify pass needs the state after every position but the last (that one is the final
 state) so that the rollback can restore the state after any accepted prefix without running
-the target again. One launch runs all T steps
-of a block for all heads. Chain parity: step t of a T-step launch does exactly the arithmetic
-of a one-step launch, so T steps equal T one-step calls bitwise, and MTP equals classic on a
-backend as long as both use the same path (they do: ``gated_delta`` picks per shape class,
-not per T).
+the target again. One launch runs all T steps of a block for all heads. Chain parity: step t
+of a T-step launch does exactly the arithmetic of a one-step launch, so T steps equal T
+one-step calls bitwise, and MTP equals classic on a backend as long as both use the same path
+(they do: ``gated_delta`` picks per shape class, not per T).
 """
 
 from __future__ import annotations
