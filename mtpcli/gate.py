@@ -125,10 +125,11 @@ def calibrate(
 ) -> Calibration:
     """Time classic decoding and MTP rounds of each block size on a short prompt, as they run.
 
-    Each is run once to warm up, then up to ``repeats`` times, stopping early once the measured
-    runs took ``budget_s`` (a large model is timed fewer times: its runs are long and steadier).
-    The fastest run is kept: other load on the machine only ever slows a run down, and both
-    sides are treated alike.
+    Each is run once to warm up; then rounds of one run of each, alternating, so that a change
+    in the machine's speed (clocks, other load) reaches both sides alike, up to ``repeats``
+    rounds, stopping early once the measured rounds took ``budget_s`` per side (a large model
+    is timed fewer times: its runs are long and steadier). The fastest run of each is kept:
+    other load only ever slows a run down.
     """
     import time
 
@@ -138,31 +139,36 @@ def calibrate(
 
     vocab = min(1000, target.config.text.vocab_size)
     prompt = [(7 * i + 3) % vocab for i in range(16)]
-
     seen = [0, 0]  # accepted, examined drafts over the MTP runs
 
-    def timed(run) -> float:
-        list(run(GenerationStats()))  # warm-up: kernel compilation, caches
-        vals, start = [], time.perf_counter()
-        while len(vals) < repeats and (not vals or time.perf_counter() - start < budget_s):
-            stats = GenerationStats()
-            list(run(stats))
-            units = stats.mtp.rounds if stats.mtp else stats.generation_tokens
-            vals.append(stats.generation_s * 1000 / max(units, 1))
-            if stats.mtp:
-                seen[0] += stats.mtp.accepted
-                seen[1] += examined(stats.mtp)
-        return min(vals)
+    def classic(stats):
+        return generate_classic(target, prompt, max_tokens=tokens, stats=stats)
 
-    step = timed(lambda st: generate_classic(target, prompt, max_tokens=tokens, stats=st))
-    rounds = {
-        b: timed(
-            lambda st, b=b: generate_mtp(
-                target, drafter, prompt, block_size=b, max_tokens=tokens, stats=st
-            )
-        )  # fmt: skip
-        for b in blocks
-    }
+    def mtp(block: int):
+        return lambda stats: generate_mtp(
+            target, drafter, prompt, block_size=block, max_tokens=tokens, stats=stats
+        )
+
+    def measured(run) -> float:
+        stats = GenerationStats()
+        list(run(stats))
+        units = stats.mtp.rounds if stats.mtp else stats.generation_tokens
+        if stats.mtp:
+            seen[0] += stats.mtp.accepted
+            seen[1] += examined(stats.mtp)
+        return stats.generation_s * 1000 / max(units, 1)
+
+    arms = {0: classic} | {b: mtp(b) for b in blocks}  # 0: the classic step
+    for run in arms.values():
+        list(run(GenerationStats()))  # warm-up: kernel compilation, caches
+    vals: dict[int, list[float]] = {key: [] for key in arms}
+    start = time.perf_counter()
+    while len(vals[0]) < repeats and (
+        not vals[0] or time.perf_counter() - start < budget_s * len(arms)
+    ):
+        for key, run in arms.items():
+            vals[key].append(measured(run))
+    step, rounds = min(vals[0]), {b: min(vals[b]) for b in blocks}
     return Calibration(step, rounds, seen[0] / seen[1] if seen[1] else None)
 
 

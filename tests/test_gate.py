@@ -148,6 +148,31 @@ def test_calibration_stops_early_on_a_slow_model(load, monkeypatch):
     assert len(calls) == 2
 
 
+def test_calibration_alternates_the_sides(load, monkeypatch):
+    """Classic and MTP runs alternate after the warm-ups, so a machine that slows down or
+    speeds up midway moves both sides' costs alike (one side timed in a slow stretch and the
+    other in a fast one mispredicts the speedup)."""
+    import mtpcli.engine.classic as classic
+    import mtpcli.engine.mtp as mtp
+
+    order = []
+    real_classic, real_mtp = classic.generate_classic, mtp.generate_mtp
+
+    def counting_classic(*a, **kw):
+        order.append("c")
+        return real_classic(*a, **kw)
+
+    def counting_mtp(*a, **kw):
+        order.append(kw["block_size"])
+        return real_mtp(*a, **kw)
+
+    monkeypatch.setattr(classic, "generate_classic", counting_classic)
+    monkeypatch.setattr(mtp, "generate_mtp", counting_mtp)
+    loaded = load()
+    gate.calibrate(loaded.target, loaded.drafter, [2, 3], repeats=3, tokens=4, budget_s=60.0)
+    assert order == ["c", 2, 3] * 4  # warm-ups, then three measured rounds
+
+
 def test_acceptance_seen_while_calibrating_beats_the_prior_and_is_kept(fake_machine, capsys):
     _, costs = fake_machine
     costs["seen"] = 0.9
