@@ -61,6 +61,16 @@ def kernel_name(base: str, *sources: str) -> str:
     return f"{base}_{digest}"
 
 
+def built(cache: dict, key: tuple, cuda: Callable[[], object], metal: Callable[[], object]):
+    """A kernel module's kernel ``key`` for the running backend, built once by that backend's
+    builder; None where the backend has none (the CPU)."""
+    full = (backend(), *key)
+    if full not in cache:
+        build = {"cuda": cuda, "metal": metal}.get(full[0])
+        cache[full] = build() if build else None
+    return cache[full]
+
+
 def set_mode(mode: str | None) -> None:
     _set("mode", mode)
 

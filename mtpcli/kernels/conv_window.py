@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import available, backend, kernel_name, use_native
+from . import available, backend, built, kernel_name, use_native
 
 
 def conv_silu_ops(x: mx.array, window: mx.array, weight: mx.array):
@@ -130,11 +130,7 @@ def _build_metal():
 
 
 def _kernel():
-    key = backend()
-    if key not in _kernels:
-        build = {"cuda": _build_cuda, "metal": _build_metal}.get(key)
-        _kernels[key] = build() if build else None
-    return _kernels[key]
+    return built(_kernels, (), _build_cuda, _build_metal)
 
 
 def conv_silu_native(x: mx.array, window: mx.array, weight: mx.array):

@@ -15,7 +15,7 @@ import itertools
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from . import available, backend, kernel_name, use_native
+from . import available, backend, built, kernel_name, use_native
 
 
 @mx.compile
@@ -313,11 +313,8 @@ def _build_metal(keep: bool, raw: bool):
 
 
 def _kernel(keep: bool, raw: bool = False):
-    key = (backend(), keep, raw)
-    if key not in _kernels:
-        build = {"cuda": _build_cuda, "metal": _build_metal}.get(key[0])
-        _kernels[key] = build(keep, raw) if build else None
-    return _kernels[key]
+    return built(_kernels, (keep, raw), lambda: _build_cuda(keep, raw),
+                 lambda: _build_metal(keep, raw))  # fmt: skip
 
 
 def _launch(kernel, inputs: list, q, k, v, keep_states: bool, extra_types=()):

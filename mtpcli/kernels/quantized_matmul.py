@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import available, backend, changed, kernel_name, use_native
+from . import available, backend, built, changed, kernel_name, use_native
 
 MAX_ROWS = 8  # the mma's n dimension
 WARPS = 8  # split-K warps per 16-row tile, reduced in a fixed order
@@ -284,11 +284,7 @@ def _build_metal():
 
 
 def _kernel():
-    key = backend()
-    if key not in _kernels:
-        build = {"cuda": _build_cuda, "metal": _build_metal}.get(key)
-        _kernels[key] = build() if build else None
-    return _kernels[key]
+    return built(_kernels, (), _build_cuda, _build_metal)
 
 
 def quantized_matmul_native(x, w, scales, biases, *, group_size: int, bits: int):
