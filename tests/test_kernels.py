@@ -144,14 +144,11 @@ def test_metal_source_mirrors_cuda_line_by_line(keep, raw):
     """The Metal kernel cannot run here; keep it a line-for-line mirror of the tested CUDA one."""
     metal_to_cuda = [
         ("thread_position_in_threadgroup.x", "threadIdx.x"),
-        ("thread_position_in_grid.y", "blockIdx.y * blockDim.y + threadIdx.y"),
+        ("thread_position_in_grid.y", "(blockIdx.y * blockDim.y + threadIdx.y)"),
         ("thread_position_in_grid.z", "blockIdx.z"),
         ("device ", ""),
         ("ushort off", "int off"),
-        ("simd_shuffle_xor(kv, off)", "__shfl_xor_sync(0xffffffffu, kv, off)"),
-        ("simd_shuffle_xor(o, off)", "__shfl_xor_sync(0xffffffffu, o, off)"),
-        ("simd_shuffle_xor(sq, off)", "__shfl_xor_sync(0xffffffffu, sq, off)"),
-        ("simd_shuffle_xor(sk, off)", "__shfl_xor_sync(0xffffffffu, sk, off)"),
+        ("simd_shuffle_xor(", "__shfl_xor_sync(0xffffffffu, "),
         ("rsqrt(", "rsqrtf("), ("exp(", "expf("), ("log(", "logf("), ("fmax(", "fmaxf("),
         ("fabs(", "fabsf("),
     ]  # fmt: skip
@@ -221,4 +218,21 @@ def test_cuda_raw_kernel_reads_strided_views_as_their_copies(T):
     A_log, dt_bias = mx.linspace(-2, 1, 48), mx.linspace(-1, 1, 48).astype(mx.bfloat16)
     got = gd.gated_delta_raw_native(*views, A_log, dt_bias, state, keep_states=True)
     want = gd.gated_delta_raw_native(*copies, A_log, dt_bias, state, keep_states=True)
+    assert all(_bitwise(x, y) for x, y in zip(got, want, strict=True))
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 2])
+def test_cuda_rows_per_warp_do_not_change_a_bit(monkeypatch, rows):
+    """A warp runs R value rows; each row's arithmetic is the same whatever R is, so the launch
+    shape may be tuned without touching exactness (states included)."""
+    q, k, v, g, beta, state = _inputs(T=3, hk=16, hv=48, dk=128, dv=128, seed=5)
+    a, b = (g * 4 - 3).astype(mx.bfloat16), (beta * 6 - 3).astype(mx.bfloat16)
+    A_log, dt_bias = mx.linspace(-2, 1, 48), mx.linspace(-1, 1, 48).astype(mx.bfloat16)
+    args = (q * 3, k * 3, v, a, b, A_log, dt_bias, state)
+    want = gd.gated_delta_raw_native(*args, keep_states=True)
+    mx.eval(want)
+    assert gd._rows(128) == gd._ROWS > rows
+    monkeypatch.setattr(gd, "_ROWS", rows)
+    got = gd.gated_delta_raw_native(*args, keep_states=True)
     assert all(_bitwise(x, y) for x, y in zip(got, want, strict=True))

@@ -75,18 +75,21 @@ def _no_states(state: mx.array) -> mx.array:
 
 
 # T and B are read from k's shape at run time, so one compiled variant serves every block and
-# prompt length. One warp (CUDA) / SIMD-group (Metal) per value row: lane l holds Dk/32 state
-# columns, the two dot products are butterfly reductions over the 32 lanes in a fixed order.
-# The Metal source mirrors the CUDA source line by line. GATE_INPUTS, GATES and QK are spliced
-# per variant: the plain one reads normalised q/k, the decay g and beta; the "raw" one reads
-# the layer's raw q/k, a and b and computes normalize_qk, compute_g and sigmoid(b) itself
-# (saving seven launches per layer per step).
+# prompt length. One warp (CUDA) / SIMD-group (Metal) per R value rows of a head: lane l holds
+# Dk/32 state columns of each row; the dot products are butterfly reductions over the 32 lanes
+# in a fixed order, the R rows' reductions interleaved. A row's arithmetic depends on neither R
+# nor T. The q/k normalisation and the gates are computed once per warp for its R rows, and
+# step t + 1's inputs are loaded while step t runs. The Metal source mirrors the CUDA source
+# line by line. GATE_INPUTS, GATES and QK are spliced per variant: the plain one reads
+# normalised q/k, the decay g and beta; the "raw" one reads the layer's raw q/k, a and b and
+# computes normalize_qk, compute_g and sigmoid(b) itself (saving seven launches per layer per
+# step).
 _CUDA_SOURCE = """
     constexpr int NPT = Dk / 32;
     const int B = k_shape[0];
     const int T = k_shape[1];
     const int lane = threadIdx.x;
-    const int dv = blockIdx.y * blockDim.y + threadIdx.y;
+    const int dv = (blockIdx.y * blockDim.y + threadIdx.y) * R;
     const int n = blockIdx.z;
     const int b = n / Hv;
     const int hv = n % Hv;
@@ -96,31 +99,66 @@ _CUDA_SOURCE = """
     const InT* v_ = v + b * v_strides[0] + hv * v_strides[2] + dv * v_strides[3];
     InT* y_ = y + (size_t)b * T * Hv * Dv + hv * Dv + dv;
     GATE_INPUTS
-    const float* s_in = state_in + ((size_t)n * Dv + dv) * Dk + lane * NPT;
-    float s[NPT];
-    for (int i = 0; i < NPT; ++i) s[i] = s_in[i];
+    #define MTP_LOAD(t) \\
+      for (int i = 0; i < NPT; ++i) { \\
+        xq[i] = static_cast<float>(q_[(t) * q_strides[1] + i * q_strides[3]]); \\
+        xk[i] = static_cast<float>(k_[(t) * k_strides[1] + i * k_strides[3]]); \\
+      } \\
+      for (int r = 0; r < R; ++r) \\
+        xv[r] = static_cast<float>(v_[(t) * v_strides[1] + r * v_strides[3]]); \\
+      xg = static_cast<float>(g_[(t) * gs]); \\
+      xb = static_cast<float>(b_[(t) * bs]);
+    float s[R][NPT];
+    for (int r = 0; r < R; ++r) {
+      const float* s_in = state_in + ((size_t)n * Dv + dv + r) * Dk + lane * NPT;
+      for (int i = 0; i < NPT; ++i) s[r][i] = s_in[i];
+    }
+    float xq[NPT], xk[NPT], xv[R], xg, xb;
+    MTP_LOAD(0)
     for (int t = 0; t < T; ++t) {
+      float qn[NPT], kn[NPT], vt[R];
+      for (int i = 0; i < NPT; ++i) {
+        qn[i] = xq[i];
+        kn[i] = xk[i];
+      }
+      for (int r = 0; r < R; ++r) vt[r] = xv[r];
+      const float gx = xg, bx = xb;
+      if (t + 1 < T) {
+        MTP_LOAD(t + 1)
+      }
       GATES
-      float qn[NPT], kn[NPT];
       QK
-      float kv = 0.0f;
-      for (int i = 0; i < NPT; ++i) {
-        s[i] = s[i] * gt;
-        kv = kv + s[i] * kn[i];
+      float kv[R], o[R];
+      for (int r = 0; r < R; ++r) {
+        kv[r] = 0.0f;
+        for (int i = 0; i < NPT; ++i) {
+          s[r][i] = s[r][i] * gt;
+          kv[r] = kv[r] + s[r][i] * kn[i];
+        }
       }
-      for (int off = 16; off > 0; off >>= 1) kv = kv + __shfl_xor_sync(0xffffffffu, kv, off);
-      const float delta = (static_cast<float>(v_[t * v_strides[1]]) - kv) * bt;
-      float o = 0.0f;
-      for (int i = 0; i < NPT; ++i) {
-        s[i] = s[i] + kn[i] * delta;
-        o = o + s[i] * qn[i];
+      for (int off = 16; off > 0; off >>= 1) {
+        for (int r = 0; r < R; ++r) kv[r] = kv[r] + __shfl_xor_sync(0xffffffffu, kv[r], off);
       }
-      for (int off = 16; off > 0; off >>= 1) o = o + __shfl_xor_sync(0xffffffffu, o, off);
-      if (lane == 0) y_[t * Hv * Dv] = static_cast<InT>(o);
+      for (int r = 0; r < R; ++r) {
+        const float delta = (vt[r] - kv[r]) * bt;
+        o[r] = 0.0f;
+        for (int i = 0; i < NPT; ++i) {
+          s[r][i] = s[r][i] + kn[i] * delta;
+          o[r] = o[r] + s[r][i] * qn[i];
+        }
+      }
+      for (int off = 16; off > 0; off >>= 1) {
+        for (int r = 0; r < R; ++r) o[r] = o[r] + __shfl_xor_sync(0xffffffffu, o[r], off);
+      }
+      if (lane == 0) {
+        for (int r = 0; r < R; ++r) y_[t * Hv * Dv + r] = static_cast<InT>(o[r]);
+      }
       KEEP_STATES
     }
-    float* s_out = state_out + ((size_t)n * Dv + dv) * Dk + lane * NPT;
-    for (int i = 0; i < NPT; ++i) s_out[i] = s[i];
+    for (int r = 0; r < R; ++r) {
+      float* s_out = state_out + ((size_t)n * Dv + dv + r) * Dk + lane * NPT;
+      for (int i = 0; i < NPT; ++i) s_out[i] = s[r][i];
+    }
 """
 
 _METAL_SOURCE = """
@@ -128,7 +166,7 @@ _METAL_SOURCE = """
     const int B = k_shape[0];
     const int T = k_shape[1];
     const int lane = thread_position_in_threadgroup.x;
-    const int dv = thread_position_in_grid.y;
+    const int dv = thread_position_in_grid.y * R;
     const int n = thread_position_in_grid.z;
     const int b = n / Hv;
     const int hv = n % Hv;
@@ -138,31 +176,66 @@ _METAL_SOURCE = """
     device const InT* v_ = v + b * v_strides[0] + hv * v_strides[2] + dv * v_strides[3];
     device InT* y_ = y + (size_t)b * T * Hv * Dv + hv * Dv + dv;
     GATE_INPUTS
-    device const float* s_in = state_in + ((size_t)n * Dv + dv) * Dk + lane * NPT;
-    float s[NPT];
-    for (int i = 0; i < NPT; ++i) s[i] = s_in[i];
+    #define MTP_LOAD(t) \\
+      for (int i = 0; i < NPT; ++i) { \\
+        xq[i] = static_cast<float>(q_[(t) * q_strides[1] + i * q_strides[3]]); \\
+        xk[i] = static_cast<float>(k_[(t) * k_strides[1] + i * k_strides[3]]); \\
+      } \\
+      for (int r = 0; r < R; ++r) \\
+        xv[r] = static_cast<float>(v_[(t) * v_strides[1] + r * v_strides[3]]); \\
+      xg = static_cast<float>(g_[(t) * gs]); \\
+      xb = static_cast<float>(b_[(t) * bs]);
+    float s[R][NPT];
+    for (int r = 0; r < R; ++r) {
+      device const float* s_in = state_in + ((size_t)n * Dv + dv + r) * Dk + lane * NPT;
+      for (int i = 0; i < NPT; ++i) s[r][i] = s_in[i];
+    }
+    float xq[NPT], xk[NPT], xv[R], xg, xb;
+    MTP_LOAD(0)
     for (int t = 0; t < T; ++t) {
+      float qn[NPT], kn[NPT], vt[R];
+      for (int i = 0; i < NPT; ++i) {
+        qn[i] = xq[i];
+        kn[i] = xk[i];
+      }
+      for (int r = 0; r < R; ++r) vt[r] = xv[r];
+      const float gx = xg, bx = xb;
+      if (t + 1 < T) {
+        MTP_LOAD(t + 1)
+      }
       GATES
-      float qn[NPT], kn[NPT];
       QK
-      float kv = 0.0f;
-      for (int i = 0; i < NPT; ++i) {
-        s[i] = s[i] * gt;
-        kv = kv + s[i] * kn[i];
+      float kv[R], o[R];
+      for (int r = 0; r < R; ++r) {
+        kv[r] = 0.0f;
+        for (int i = 0; i < NPT; ++i) {
+          s[r][i] = s[r][i] * gt;
+          kv[r] = kv[r] + s[r][i] * kn[i];
+        }
       }
-      for (ushort off = 16; off > 0; off >>= 1) kv = kv + simd_shuffle_xor(kv, off);
-      const float delta = (static_cast<float>(v_[t * v_strides[1]]) - kv) * bt;
-      float o = 0.0f;
-      for (int i = 0; i < NPT; ++i) {
-        s[i] = s[i] + kn[i] * delta;
-        o = o + s[i] * qn[i];
+      for (ushort off = 16; off > 0; off >>= 1) {
+        for (int r = 0; r < R; ++r) kv[r] = kv[r] + simd_shuffle_xor(kv[r], off);
       }
-      for (ushort off = 16; off > 0; off >>= 1) o = o + simd_shuffle_xor(o, off);
-      if (lane == 0) y_[t * Hv * Dv] = static_cast<InT>(o);
+      for (int r = 0; r < R; ++r) {
+        const float delta = (vt[r] - kv[r]) * bt;
+        o[r] = 0.0f;
+        for (int i = 0; i < NPT; ++i) {
+          s[r][i] = s[r][i] + kn[i] * delta;
+          o[r] = o[r] + s[r][i] * qn[i];
+        }
+      }
+      for (ushort off = 16; off > 0; off >>= 1) {
+        for (int r = 0; r < R; ++r) o[r] = o[r] + simd_shuffle_xor(o[r], off);
+      }
+      if (lane == 0) {
+        for (int r = 0; r < R; ++r) y_[t * Hv * Dv + r] = static_cast<InT>(o[r]);
+      }
       KEEP_STATES
     }
-    device float* s_out = state_out + ((size_t)n * Dv + dv) * Dk + lane * NPT;
-    for (int i = 0; i < NPT; ++i) s_out[i] = s[i];
+    for (int r = 0; r < R; ++r) {
+      device float* s_out = state_out + ((size_t)n * Dv + dv + r) * Dk + lane * NPT;
+      for (int i = 0; i < NPT; ++i) s_out[i] = s[r][i];
+    }
 """
 
 # The splices, per backend: {name: (cuda, metal)}. Only the keep-states variant has the
@@ -170,52 +243,53 @@ _METAL_SOURCE = """
 # state_out) is spliced in, so both variants run the same arithmetic.
 _KEEP = (
     """if (t + 1 < T) {
-        float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv) * Dk + lane * NPT;
-        for (int i = 0; i < NPT; ++i) s_t[i] = s[i];
+        for (int r = 0; r < R; ++r) {
+          float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv + r) * Dk + lane * NPT;
+          for (int i = 0; i < NPT; ++i) s_t[i] = s[r][i];
+        }
       }""",
     """if (t + 1 < T) {
-        device float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv) * Dk + lane * NPT;
-        for (int i = 0; i < NPT; ++i) s_t[i] = s[i];
+        for (int r = 0; r < R; ++r) {
+          device float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv + r) * Dk + lane * NPT;
+          for (int i = 0; i < NPT; ++i) s_t[i] = s[r][i];
+        }
       }""",
 )
+# g_/b_ and gs/bs name the two gate inputs and their time strides (MTP_LOAD reads them into
+# gx/bx); GATES makes the decay gt and beta bt; QK normalises the loaded qn, kn in place.
 _PLAIN = {
     "GATE_INPUTS": (
         """const float* g_ = g + b * g_strides[0] + hv * g_strides[2];
-    const float* beta_ = beta + b * beta_strides[0] + hv * beta_strides[2];""",
+    const float* b_ = beta + b * beta_strides[0] + hv * beta_strides[2];
+    const int gs = g_strides[1], bs = beta_strides[1];""",
         """device const float* g_ = g + b * g_strides[0] + hv * g_strides[2];
-    device const float* beta_ = beta + b * beta_strides[0] + hv * beta_strides[2];""",
+    device const float* b_ = beta + b * beta_strides[0] + hv * beta_strides[2];
+    const int gs = g_strides[1], bs = beta_strides[1];""",
     ),
     "GATES": (
-        """const float gt = g_[t * g_strides[1]];
-      const float bt = beta_[t * beta_strides[1]];""",
-        """const float gt = g_[t * g_strides[1]];
-      const float bt = beta_[t * beta_strides[1]];""",
+        """const float gt = gx;
+      const float bt = bx;""",
+        """const float gt = gx;
+      const float bt = bx;""",
     ),
-    "QK": (
-        """for (int i = 0; i < NPT; ++i) {
-        qn[i] = static_cast<float>(q_[t * q_strides[1] + i * q_strides[3]]);
-        kn[i] = static_cast<float>(k_[t * k_strides[1] + i * k_strides[3]]);
-      }""",
-        """for (int i = 0; i < NPT; ++i) {
-        qn[i] = static_cast<float>(q_[t * q_strides[1] + i * q_strides[3]]);
-        kn[i] = static_cast<float>(k_[t * k_strides[1] + i * k_strides[3]]);
-      }""",
-    ),
+    "QK": ("", ""),
 }
 # mlx-lm's arithmetic, rounded to the input dtype where mlx-lm's ops round: rms_norm(q) then
 # times Dk^-1 (q) or Dk^-1/2 (k); a + dt_bias and softplus in the input dtype, the decay in
 # float32; sigmoid(b) in the input dtype.
 _RAW = {
     "GATE_INPUTS": (
-        """const InT* a_ = a + b * a_strides[0] + hv * a_strides[2];
+        """const InT* g_ = a + b * a_strides[0] + hv * a_strides[2];
     const InT* b_ = bb + b * bb_strides[0] + hv * bb_strides[2];
+    const int gs = a_strides[1], bs = bb_strides[1];
     const float neg_a = -expf(static_cast<float>(A_log[hv]));
     const float dtb = static_cast<float>(dt_bias[hv]);
     #define RD(x) static_cast<float>(static_cast<InT>(x))  // rounded to the input dtype
     const float qs = RD(1.0f / Dk);
     const float ks = RD(rsqrtf(static_cast<float>(Dk)));""",
-        """device const InT* a_ = a + b * a_strides[0] + hv * a_strides[2];
+        """device const InT* g_ = a + b * a_strides[0] + hv * a_strides[2];
     device const InT* b_ = bb + b * bb_strides[0] + hv * bb_strides[2];
+    const int gs = a_strides[1], bs = bb_strides[1];
     const float neg_a = -exp(static_cast<float>(A_log[hv]));
     const float dtb = static_cast<float>(dt_bias[hv]);
     #define RD(x) static_cast<float>(static_cast<InT>(x))  // rounded to the input dtype
@@ -223,20 +297,18 @@ _RAW = {
     const float ks = RD(rsqrt(static_cast<float>(Dk)));""",
     ),
     "GATES": (
-        """const float x = RD(static_cast<float>(a_[t * a_strides[1]]) + dtb);
+        """const float x = RD(gx + dtb);
       const float sp = RD(fmaxf(x, 0.0f) + logf(1.0f + expf(-fabsf(x))));
       const float gt = expf(neg_a * sp);
-      const float bt = RD(1.0f / (1.0f + expf(-static_cast<float>(b_[t * bb_strides[1]]))));""",
-        """const float x = RD(static_cast<float>(a_[t * a_strides[1]]) + dtb);
+      const float bt = RD(1.0f / (1.0f + expf(-bx)));""",
+        """const float x = RD(gx + dtb);
       const float sp = RD(fmax(x, 0.0f) + log(1.0f + exp(-fabs(x))));
       const float gt = exp(neg_a * sp);
-      const float bt = RD(1.0f / (1.0f + exp(-static_cast<float>(b_[t * bb_strides[1]]))));""",
+      const float bt = RD(1.0f / (1.0f + exp(-bx)));""",
     ),
     "QK": (
         """float sq = 0.0f, sk = 0.0f;
       for (int i = 0; i < NPT; ++i) {
-        qn[i] = static_cast<float>(q_[t * q_strides[1] + i * q_strides[3]]);
-        kn[i] = static_cast<float>(k_[t * k_strides[1] + i * k_strides[3]]);
         sq = sq + qn[i] * qn[i];
         sk = sk + kn[i] * kn[i];
       }
@@ -252,8 +324,6 @@ _RAW = {
       }""",
         """float sq = 0.0f, sk = 0.0f;
       for (int i = 0; i < NPT; ++i) {
-        qn[i] = static_cast<float>(q_[t * q_strides[1] + i * q_strides[3]]);
-        kn[i] = static_cast<float>(k_[t * k_strides[1] + i * k_strides[3]]);
         sq = sq + qn[i] * qn[i];
         sk = sk + kn[i] * kn[i];
       }
@@ -317,9 +387,20 @@ def _kernel(keep: bool, raw: bool = False):
                  lambda: _build_metal(keep, raw))  # fmt: skip
 
 
+# Value rows per warp: rows share one q/k normalisation and gate computation and interleave
+# their reductions. On the H200 (48 layers, 27B shape) 4 rows beat 1 and 2 at every T
+# (docs/benchmark_results/README.md, session 5).
+_ROWS = 4
+
+
+def _rows(Dv: int) -> int:
+    return _ROWS if Dv % (4 * _ROWS) == 0 else 1  # four warps per threadgroup
+
+
 def _launch(kernel, inputs: list, q, k, v, keep_states: bool, extra_types=()):
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
+    R = _rows(Dv)
     shapes = [(B, T, Hv, Dv), (B, Hv, Dv, Dk)] + ([(T - 1, B, Hv, Dv, Dk)] if keep_states else [])
     out = kernel(
         inputs=inputs,
@@ -329,9 +410,10 @@ def _launch(kernel, inputs: list, q, k, v, keep_states: bool, extra_types=()):
             ("Dv", Dv),
             ("Hk", Hk),
             ("Hv", Hv),
+            ("R", R),
             *extra_types,
         ],  # fmt: skip
-        grid=(32, Dv, B * Hv),
+        grid=(32, Dv // R, B * Hv),
         threadgroup=(32, 4, 1),
         output_shapes=shapes,
         output_dtypes=[q.dtype] + [mx.float32] * (len(shapes) - 1),
