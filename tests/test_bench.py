@@ -122,3 +122,34 @@ def test_the_example_is_benched_on_its_held_out_prompts(capsys, monkeypatch):
     monkeypatch.setattr(example, "example_prompts", recording)
     doc = _bench(capsys, "-n", "2", "--block-size", "2", "--no-verify-table")
     assert calls and doc["settings"]["prompts"] == 3
+
+
+def test_no_timed_run_starts_on_dropped_traces(capsys, monkeypatch):
+    """The mlx-lm peer runs on MLX's own layer classes, which drops our compiled layer functions;
+    the bench rebuilds them untimed, so no timed run of ours pays for tracing."""
+    from mtpcli import bench
+    from mtpcli.models.qwen3_5 import COMPILE_MAX_T, LayerFunctions
+
+    timed, cold = {"on": False}, []
+    begin, run_arm = LayerFunctions.begin, bench.run_arm
+
+    def watched_begin(self, T):
+        warm = begin(self, T)
+        if timed["on"] and not warm and T <= COMPILE_MAX_T:  # longer prompts never compile
+            cold.append(T)
+        return warm
+
+    def timed_run(arm, generate):
+        timed["on"] = True
+        try:
+            return run_arm(arm, generate)
+        finally:
+            timed["on"] = False
+
+    monkeypatch.setattr(LayerFunctions, "begin", watched_begin)
+    monkeypatch.setattr(bench, "run_arm", timed_run)
+    capsys.readouterr()
+    args = ["bench", "--synthetic", "tiny", "--block-size", "2", "--peers", "--no-verify-table",
+            "--qmm", "ours", "--repeats", "2", "-n", "6", "--json"]  # fmt: skip
+    assert run(args) == 0
+    assert cold == []
