@@ -150,6 +150,7 @@ def calibrate(
         )
 
     def measured(run) -> float:
+        mx.clear_cache()  # as a fresh process starts; what ran before (a peer) is not carried
         stats = GenerationStats()
         list(run(stats))
         units = stats.mtp.rounds if stats.mtp else stats.generation_tokens
