@@ -1,0 +1,110 @@
+"""The CUDA gated-delta kernel's source, run on the CPU warp by warp (tests/cuda_emulation.py):
+its logic against the ops reference, its chain parity and its rows-per-warp invariance, in CI
+where there is no GPU. The H200 tests (test_kernels.py) cover rounding and codegen."""
+
+from __future__ import annotations
+
+import cuda_emulation  # tests/cuda_emulation.py
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtpcli.kernels import gated_delta as gd
+
+pytestmark = pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++")
+
+HK, HV, DK, DV = 2, 4, 32, 16
+
+
+def _raw_inputs(T: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """The layer's raw inputs, q/k/v and a/b as views into one buffer each (as the model
+    passes them), float32."""
+    rng = np.random.default_rng(seed)
+    qkv = rng.standard_normal((1, T, 2 * HK * DK + HV * DV), dtype=np.float32)
+    ab = rng.standard_normal((1, T, 2 * HV), dtype=np.float32)
+    q = qkv[..., : HK * DK].reshape(1, T, HK, DK)
+    k = qkv[..., HK * DK : 2 * HK * DK].reshape(1, T, HK, DK)
+    v = qkv[..., 2 * HK * DK :].reshape(1, T, HV, DV)
+    return {
+        "q": q, "k": k, "v": v, "a": ab[..., :HV], "bb": ab[..., HV:],
+        "A_log": np.linspace(-2, 1, HV, dtype=np.float32),
+        "dt_bias": np.linspace(-1, 1, HV, dtype=np.float32),
+        "state_in": rng.standard_normal((1, HV, DV, DK), dtype=np.float32) * 0.1,
+    }  # fmt: skip
+
+
+def _emulate(x: dict, keep: bool, rows: int = gd._ROWS, source: str | None = None) -> list:
+    T = x["q"].shape[1]
+    outputs = {"y": (1, T, HV, DV), "state_out": (1, HV, DV, DK)}
+    if keep:
+        outputs["states"] = (T - 1, 1, HV, DV, DK)
+    out = cuda_emulation.run(
+        source or gd._source(False, keep, True),
+        x,
+        outputs,
+        {"Dk": DK, "Dv": DV, "Hk": HK, "Hv": HV, "R": rows},
+        grid=(32, DV // rows, HV),
+        threadgroup=(32, 4, 1),
+    )
+    return list(out.values())
+
+
+def _reference(x: dict, keep: bool) -> list[np.ndarray]:
+    a = {n: mx.array(v) for n, v in x.items()}
+    y, state, states = gd.gated_delta_raw_ops(
+        a["q"], a["k"], a["v"], a["a"], a["bb"], a["A_log"], a["dt_bias"], a["state_in"],
+        keep_states=keep,
+    )  # fmt: skip
+    return [np.array(t) for t in (y, state, states) if t is not None]
+
+
+@pytest.mark.parametrize("T", [1, 3, 5])
+def test_emulated_kernel_matches_the_reference(T):
+    x = _raw_inputs(T, seed=T)
+    got, want = _emulate(x, keep=T > 1), _reference(x, keep=T > 1)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_emulated_kernel_keeps_chain_parity():
+    """T steps in one launch equal T one-step launches bitwise, outputs and states."""
+    x = _raw_inputs(4, seed=7)
+    y, final, states = _emulate(x, keep=True)
+    s, ys, kept = x["state_in"], [], []
+    for t in range(4):
+        step = {
+            n: (v[:, t : t + 1] if v.ndim >= 3 and n != "state_in" else v) for n, v in x.items()
+        }
+        yt, s = _emulate({**step, "state_in": s}, keep=False)
+        ys.append(yt)
+        kept.append(s)
+    assert np.array_equal(np.concatenate(ys, 1), y) and np.array_equal(s, final)
+    assert np.array_equal(np.stack(kept[:-1]), states)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_emulated_rows_per_warp_do_not_change_a_bit(rows):
+    x = _raw_inputs(3, seed=3)
+    want = _emulate(x, keep=True)
+    got = _emulate(x, keep=True, rows=rows)
+    assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("s[r][i] = s[r][i] * gt;", "s[r][i] = s[r][i];"),  # the decay forgotten
+        ("hv * v_strides[2]", "hv * v_strides[3]"),  # a wrong stride
+        ("(size_t)t * B * Hv", "(size_t)(T - 2 - t) * B * Hv"),  # states kept in reverse
+    ],
+    ids=["decay", "stride", "states"],
+)
+def test_emulation_catches_a_broken_kernel(old, new):
+    """The emulation is a real check: each of these mistakes makes it disagree."""
+    x = _raw_inputs(3, seed=11)
+    source = gd._source(False, True, True)
+    assert old in source
+    got = _emulate(x, keep=True, source=source.replace(old, new))
+    want = _reference(x, keep=True)
+    assert not all(np.allclose(g, w, rtol=1e-4, atol=1e-5) for g, w in zip(got, want, strict=True))
