@@ -1,7 +1,7 @@
-"""Run an ``mx.fast.cuda_kernel`` source on the CPU: each warp as 32 threads in lockstep at
-every shuffle. For testing a kernel's logic (indexing, strides, splices, the step loop) where
-no GPU is; float32 only, so input-dtype rounding and the GPU's codegen are not covered (the
-H200 tests cover those)."""
+"""Run an ``mx.fast.cuda_kernel`` source on the CPU: each row of a threadgroup (its x threads)
+as threads that meet at every shuffle, exchanging within their 32-lane warps. For testing a
+kernel's logic (indexing, strides, splices, the step loop) where no GPU is; float32 only, so
+input-dtype rounding and the GPU's codegen are not covered (the H200 tests cover those)."""
 
 from __future__ import annotations
 
@@ -26,13 +26,17 @@ using std::min;
 struct Dim3 { int x, y, z; };
 thread_local Dim3 threadIdx, blockIdx;
 static Dim3 blockDim;
-struct Warp { float buf[32]; std::barrier<> sync{32}; };
-thread_local Warp* warp_;
-static float __shfl_xor_sync(unsigned, float v, int off) {
-  warp_->buf[threadIdx.x] = v;
-  warp_->sync.arrive_and_wait();
-  const float r = warp_->buf[threadIdx.x ^ off];
-  warp_->sync.arrive_and_wait();
+struct Row {  // the x threads of one (y, z) of a threadgroup
+  explicit Row(int n) : sync(n) {}
+  float buf[1024];
+  std::barrier<> sync;
+};
+thread_local Row* row_;
+static float __shfl_xor_sync(unsigned, float v, int off) {  // every thread must call it
+  row_->buf[threadIdx.x] = v;
+  row_->sync.arrive_and_wait();
+  const float r = row_->buf[(threadIdx.x & ~31) | ((threadIdx.x & 31) ^ off)];
+  row_->sync.arrive_and_wait();
   return r;
 }
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
@@ -47,16 +51,16 @@ extern "C" void launch(void** in, int64_t** strides, int32_t** shapes, void** ou
       for (int bx = 0; bx < gx / tx; ++bx)
         for (int z = 0; z < tz; ++z)
           for (int y = 0; y < ty; ++y) {
-            Warp warp;
-            std::vector<std::thread> lanes;
-            for (int x = 0; x < 32; ++x)
-              lanes.emplace_back([&, x] {
+            Row row(tx);
+            std::vector<std::thread> threads;
+            for (int x = 0; x < tx; ++x)
+              threads.emplace_back([&, x] {
                 threadIdx = {x, y, z};
                 blockIdx = {bx, by, bz};
-                warp_ = &warp;
+                row_ = &row;
                 kernel(ARGS);
               });
-            for (auto& lane : lanes) lane.join();
+            for (auto& t : threads) t.join();
           }
 }
 """
@@ -85,10 +89,11 @@ def run(
     grid: tuple[int, int, int],
     threadgroup: tuple[int, int, int],
 ) -> dict[str, np.ndarray]:
-    """Launch ``source`` over ``grid`` threads in ``threadgroup`` blocks (x must be 32: one
-    warp per (y, z)). Inputs are float32 arrays, views allowed (read through their strides);
+    """Launch ``source`` over ``grid`` threads in ``threadgroup`` blocks (x a multiple of 32,
+    at most 1024). Inputs are float32 arrays, views allowed (read through their strides);
     ``constants`` fill the template (types are float)."""
-    assert threadgroup[0] == 32 and all(g % t == 0 for g, t in zip(grid, threadgroup, strict=True))
+    assert threadgroup[0] % 32 == 0 and threadgroup[0] <= 1024
+    assert all(g % t == 0 for g, t in zip(grid, threadgroup, strict=True))
     names = list(inputs)
     params = [f"const float* {n}, const int64_t* {n}_strides, const int32_t* {n}_shape"
               for n in names] + [f"float* {n}" for n in outputs]  # fmt: skip

@@ -1,6 +1,7 @@
-"""The CUDA gated-delta kernel's source, run on the CPU warp by warp (tests/cuda_emulation.py):
-its logic against the ops reference, its chain parity and its rows-per-warp invariance, in CI
-where there is no GPU. The H200 tests (test_kernels.py) cover rounding and codegen."""
+"""The CUDA gated-delta and convolution kernels' sources, run on the CPU thread by thread
+(tests/cuda_emulation.py): their logic against the ops references, chain parity, rows-per-warp
+invariance, in CI where there is no GPU. The H200 tests (test_kernels.py, test_conv_window.py)
+cover input-dtype rounding and codegen."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mtpcli.kernels import conv_window as cw
 from mtpcli.kernels import gated_delta as gd
 
 pytestmark = pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++")
@@ -108,3 +110,35 @@ def test_emulation_catches_a_broken_kernel(old, new):
     got = _emulate(x, keep=True, source=source.replace(old, new))
     want = _reference(x, keep=True)
     assert not all(np.allclose(g, w, rtol=1e-4, atol=1e-5) for g, w in zip(got, want, strict=True))
+
+
+def _conv(x, window, weight, source: str = cw._CUDA_SOURCE) -> list[np.ndarray]:
+    B, T, C = x.shape
+    K = weight.shape[1]
+    threads = cw._THREADS
+    out = cuda_emulation.run(
+        source,
+        {"x": x, "window": window, "weight": weight},
+        {"y": (B, T, C), "inputs": (B, K - 1 + T, C), "window_out": (B, K - 1, C)},
+        {"K": K},
+        grid=(-(-C // threads) * threads, B, 1),
+        threadgroup=(threads, 1, 1),
+    )
+    return list(out.values())
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_emulated_convolution_matches_the_reference(T):
+    rng = np.random.default_rng(T)
+    whole = rng.standard_normal((2, T, 300), dtype=np.float32)
+    x = whole[..., 10:290]  # a strided view; 280 channels: more than one threadgroup
+    window = rng.standard_normal((2, 3, 280), dtype=np.float32)
+    weight = rng.standard_normal((280, 4, 1), dtype=np.float32) * 0.5
+    got = _conv(x, window, weight)
+    want = cw.conv_silu_ops(mx.array(x), mx.array(window), mx.array(weight))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, np.array(w), rtol=1e-5, atol=1e-6)
+    broken = _conv(x, window, weight, cw._CUDA_SOURCE.replace("last[k] = last[k + 1]", ""))
+    pairs = zip(broken, want, strict=True)
+    close = [np.allclose(b, np.array(w), rtol=1e-5, atol=1e-6) for b, w in pairs]
+    assert not all(close)  # a window that never slides is caught
