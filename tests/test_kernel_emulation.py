@@ -35,13 +35,23 @@ def _raw_inputs(T: int, seed: int = 0) -> dict[str, np.ndarray]:
     }  # fmt: skip
 
 
+def _plain_inputs(T: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """The plain variant's inputs (q/k taken as normalised, the decay g and beta given)."""
+    x = _raw_inputs(T, seed)
+    rng = np.random.default_rng(seed + 100)
+    g = rng.uniform(0.3, 1.0, (1, T, HV)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, (1, T, HV)).astype(np.float32)
+    return {"q": x["q"] * 0.2, "k": x["k"] * 0.2, "v": x["v"], "g": g, "beta": beta,
+            "state_in": x["state_in"]}  # fmt: skip
+
+
 def _emulate(x: dict, keep: bool, rows: int = gd._ROWS, source: str | None = None) -> list:
-    T = x["q"].shape[1]
+    T, raw = x["q"].shape[1], "a" in x
     outputs = {"y": (1, T, HV, DV), "state_out": (1, HV, DV, DK)}
     if keep:
         outputs["states"] = (T - 1, 1, HV, DV, DK)
     out = cuda_emulation.run(
-        source or gd._source(False, keep, True),
+        source or gd._source(False, keep, raw),
         x,
         outputs,
         {"Dk": DK, "Dv": DV, "Hk": HK, "Hv": HV, "R": rows},
@@ -53,17 +63,23 @@ def _emulate(x: dict, keep: bool, rows: int = gd._ROWS, source: str | None = Non
 
 def _reference(x: dict, keep: bool) -> list[np.ndarray]:
     a = {n: mx.array(v) for n, v in x.items()}
-    y, state, states = gd.gated_delta_raw_ops(
-        a["q"], a["k"], a["v"], a["a"], a["bb"], a["A_log"], a["dt_bias"], a["state_in"],
-        keep_states=keep,
-    )  # fmt: skip
+    if "a" in a:
+        y, state, states = gd.gated_delta_raw_ops(
+            a["q"], a["k"], a["v"], a["a"], a["bb"], a["A_log"], a["dt_bias"], a["state_in"],
+            keep_states=keep,
+        )  # fmt: skip
+    else:
+        y, state, states = gd.gated_delta_ops(
+            a["q"], a["k"], a["v"], a["g"], a["beta"], a["state_in"], keep_states=keep
+        )
     return [np.array(t) for t in (y, state, states) if t is not None]
 
 
-@pytest.mark.parametrize("T", [1, 3, 5])
-def test_emulated_kernel_matches_the_reference(T):
-    x = _raw_inputs(T, seed=T)
-    got, want = _emulate(x, keep=T > 1), _reference(x, keep=T > 1)
+@pytest.mark.parametrize("inputs", [_raw_inputs, _plain_inputs], ids=["raw", "plain"])
+@pytest.mark.parametrize("T, keep", [(1, False), (3, True), (5, True), (3, False)])
+def test_emulated_kernel_matches_the_reference(inputs, T, keep):
+    x = inputs(T, seed=T)
+    got, want = _emulate(x, keep=keep), _reference(x, keep=keep)
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
