@@ -1,0 +1,113 @@
+"""Every CUDA kernel source compiles for the H200 (sm_90) with nvcc, wrapped as MLX's
+``mx.fast.cuda_kernel`` wraps it, and keeps all its values in registers (no spills): checked
+in CI, where there is no GPU, before any device time is spent. MLX compiles with NVRTC and its
+own headers; the wrapper here mirrors its signature (pointers, ``Shape``/``Strides`` passed by
+value where the source uses them, template arguments as constants)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from mtpcli.kernels import conv_window as cw
+from mtpcli.kernels import gated_delta as gd
+from mtpcli.kernels import quantized_matmul as qm
+
+NVCC = shutil.which("nvcc")
+pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc")
+
+_PRELUDE = """
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+struct Shape { int32_t v[10]; __device__ int32_t operator[](int i) const { return v[i]; } };
+struct Strides { int64_t v[10]; __device__ int64_t operator[](int i) const { return v[i]; } };
+"""
+BF16, HALF, F32, U32 = "__nv_bfloat16", "__half", "float", "uint32_t"
+
+
+def _wrap(source: str, header: str, inputs: dict, outputs: dict, constants: dict) -> str:
+    params = []
+    for name, ctype in inputs.items():
+        params.append(f"const {ctype}* {name}")
+        for kind, cls in (("shape", "Shape"), ("strides", "Strides")):
+            if f"{name}_{kind}" in source:
+                params.append(f"const __grid_constant__ {cls} {name}_{kind}")
+    params += [f"{ctype}* {name}" for name, ctype in outputs.items()]
+    body = "".join(
+        f"  using {k} = {v};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
+        for k, v in constants.items()
+    )
+    return (f"{_PRELUDE}{header}\n__global__ void kernel({', '.join(params)}) {{\n{body}"
+            f"{source}\n}}\n")  # fmt: skip
+
+
+def _compile(tmp_path, code: str) -> str:
+    src = tmp_path / "k.cu"
+    src.write_text(code)
+    out = subprocess.run(
+        [NVCC, "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stderr  # ptxas's report
+
+
+def _no_spills(report: str) -> bool:
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    return bool(spills) and all(s == ("0", "0") for s in spills)
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["plain", "raw"])
+@pytest.mark.parametrize("keep", [False, True], ids=["", "keep"])
+@pytest.mark.parametrize("dtype", [BF16, HALF, F32])
+def test_gated_delta_kernel_compiles_without_spills(tmp_path, keep, raw, dtype):
+    names = gd._INPUTS[raw]
+    types = dict.fromkeys(names, dtype) | {"state_in": F32}
+    types |= {"A_log": F32, "dt_bias": BF16} if raw else {"g": F32, "beta": F32}
+    outputs = {"y": dtype, "state_out": F32} | ({"states": F32} if keep else {})
+    constants = {"InT": dtype, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48, "R": gd._ROWS}
+    constants |= {"AT": F32, "DT": BF16} if raw else {}
+    report = _compile(tmp_path, _wrap(gd._source(False, keep, raw), "", types, outputs, constants))
+    assert _no_spills(report), report
+
+
+def test_convolution_kernel_compiles_without_spills(tmp_path):
+    types = {"x": BF16, "window": BF16, "weight": BF16}
+    outputs = {"y": BF16, "inputs": BF16, "window_out": BF16}
+    report = _compile(tmp_path, _wrap(cw._CUDA_SOURCE, "", types, outputs, {"InT": BF16, "K": 4}))
+    assert _no_spills(report), report
+
+
+@pytest.mark.parametrize("xt", [BF16, HALF])
+@pytest.mark.parametrize("bits", qm.BITS)
+@pytest.mark.parametrize("group_size", qm.GROUP_SIZES)
+def test_quantized_matmul_kernel_compiles_without_spills(tmp_path, xt, bits, group_size):
+    types = {"x": xt, "w": U32, "scales": xt, "biases": xt}
+    constants = {"XT": xt, "ST": xt, "BITS": bits, "GS": group_size, "WARPS": qm.WARPS}
+    code = _wrap(qm._CUDA_SOURCE, qm._HEADER_CUDA, types, {"y": xt}, constants)
+    report = _compile(tmp_path, code)
+    assert _no_spills(report), report
+
+
+def test_a_source_error_is_caught(tmp_path):
+    """The check is real: a source that does not compile fails it."""
+    source = gd._source(False, True, True).replace("kv[r] = 0.0f;", "kv[r] = undefined_name;")
+    code = _wrap(source, "", dict.fromkeys(gd._INPUTS[True], F32), {"y": F32, "state_out": F32,
+                 "states": F32}, {"InT": F32, "AT": F32, "DT": F32, "Dk": 128, "Dv": 128,
+                 "Hk": 16, "Hv": 48, "R": 4})  # fmt: skip
+    with pytest.raises(AssertionError, match="undefined_name"):
+        _compile(tmp_path, code)
+
+
+def test_a_kernel_that_spills_is_caught(tmp_path):
+    """The spill check is real: 64 value rows per warp need more than 255 registers."""
+    types = dict.fromkeys(gd._INPUTS[True], BF16) | {"state_in": F32, "A_log": F32}
+    constants = {"InT": BF16, "AT": F32, "DT": BF16, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48,
+                 "R": 64}  # fmt: skip
+    outputs = {"y": BF16, "state_out": F32, "states": F32}
+    report = _compile(tmp_path, _wrap(gd._source(False, True, True), "", types, outputs, constants))
+    assert not _no_spills(report)
