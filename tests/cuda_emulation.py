@@ -39,7 +39,11 @@ static float __shfl_xor_sync(unsigned, float v, int off) {  // every thread must
   row_->sync.arrive_and_wait();
   return r;
 }
+static inline void __syncwarp() { row_->sync.arrive_and_wait(); }
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+// One copy for the whole launch: threadgroup rows run one at a time, so a kernel whose warps
+// each keep to their own slice (indexed by threadIdx.y) sees its own shared memory.
+#define __shared__ static
 """
 
 _LAUNCH = r"""

@@ -6,6 +6,7 @@ cover input-dtype rounding and codegen."""
 from __future__ import annotations
 
 import cuda_emulation  # tests/cuda_emulation.py
+import gdn_experiments as gx  # scripts/gdn_experiments.py (conftest puts scripts/ on the path)
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,20 +19,20 @@ pytestmark = pytest.mark.skipif(not cuda_emulation.available(), reason="needs g+
 HK, HV, DK, DV = 2, 4, 32, 16
 
 
-def _raw_inputs(T: int, seed: int = 0) -> dict[str, np.ndarray]:
+def _raw_inputs(T: int, seed: int = 0, dv: int = DV) -> dict[str, np.ndarray]:
     """The layer's raw inputs, q/k/v and a/b as views into one buffer each (as the model
     passes them), float32."""
     rng = np.random.default_rng(seed)
-    qkv = rng.standard_normal((1, T, 2 * HK * DK + HV * DV), dtype=np.float32)
+    qkv = rng.standard_normal((1, T, 2 * HK * DK + HV * dv), dtype=np.float32)
     ab = rng.standard_normal((1, T, 2 * HV), dtype=np.float32)
     q = qkv[..., : HK * DK].reshape(1, T, HK, DK)
     k = qkv[..., HK * DK : 2 * HK * DK].reshape(1, T, HK, DK)
-    v = qkv[..., 2 * HK * DK :].reshape(1, T, HV, DV)
+    v = qkv[..., 2 * HK * DK :].reshape(1, T, HV, dv)
     return {
         "q": q, "k": k, "v": v, "a": ab[..., :HV], "bb": ab[..., HV:],
         "A_log": np.linspace(-2, 1, HV, dtype=np.float32),
         "dt_bias": np.linspace(-1, 1, HV, dtype=np.float32),
-        "state_in": rng.standard_normal((1, HV, DV, DK), dtype=np.float32) * 0.1,
+        "state_in": rng.standard_normal((1, HV, dv, DK), dtype=np.float32) * 0.1,
     }  # fmt: skip
 
 
@@ -45,17 +46,22 @@ def _plain_inputs(T: int, seed: int = 0) -> dict[str, np.ndarray]:
             "state_in": x["state_in"]}  # fmt: skip
 
 
-def _emulate(x: dict, keep: bool, rows: int = gd._ROWS, source: str | None = None) -> list:
-    T, raw = x["q"].shape[1], "a" in x
-    outputs = {"y": (1, T, HV, DV), "state_out": (1, HV, DV, DK)}
+def _emulate(
+    x: dict, keep: bool, rows: int = gd._ROWS, source: str | None = None, lanes: int = 32
+) -> list:
+    """The kernel on x; ``rows`` value rows per warp, or ``lanes`` lanes per row for the
+    lane-group experiment (scripts/gdn_experiments.py)."""
+    T, raw, dv = x["q"].shape[1], "a" in x, x["v"].shape[-1]
+    outputs = {"y": (1, T, HV, dv), "state_out": (1, HV, dv, DK)}
     if keep:
-        outputs["states"] = (T - 1, 1, HV, DV, DK)
+        outputs["states"] = (T - 1, 1, HV, dv, DK)
+    warp_rows = rows if lanes == 32 else 32 // lanes
     out = cuda_emulation.run(
         source or gd._source(False, keep, raw),
         x,
         outputs,
-        {"Dk": DK, "Dv": DV, "Hk": HK, "Hv": HV, "R": rows},
-        grid=(32, DV // rows, HV),
+        {"Dk": DK, "Dv": dv, "Hk": HK, "Hv": HV, "R": rows, "L": lanes},
+        grid=(32, dv // warp_rows, HV),
         threadgroup=(32, 4, 1),
     )
     return list(out.values())
@@ -87,14 +93,15 @@ def test_emulated_kernel_matches_the_reference(inputs, T, keep):
 
 def test_emulated_kernel_keeps_chain_parity():
     """T steps in one launch equal T one-step launches bitwise, outputs and states."""
-    x = _raw_inputs(4, seed=7)
-    y, final, states = _emulate(x, keep=True)
+    _assert_chain_parity(_raw_inputs(4, seed=7), _emulate)
+
+
+def _assert_chain_parity(x: dict, emulate) -> None:
+    y, final, states = emulate(x, keep=True)
     s, ys, kept = x["state_in"], [], []
-    for t in range(4):
-        step = {
-            n: (v[:, t : t + 1] if v.ndim >= 3 and n != "state_in" else v) for n, v in x.items()
-        }
-        yt, s = _emulate({**step, "state_in": s}, keep=False)
+    for t in range(x["q"].shape[1]):
+        step = {n: (v[:, t : t + 1] if v.ndim >= 3 else v) for n, v in x.items()}
+        yt, s = emulate({**step, "state_in": s}, keep=False)  # state_in: the last step's
         ys.append(yt)
         kept.append(s)
     assert np.array_equal(np.concatenate(ys, 1), y) and np.array_equal(s, final)
@@ -158,3 +165,19 @@ def test_emulated_convolution_matches_the_reference(T):
     pairs = zip(broken, want, strict=True)
     close = [np.allclose(b, np.array(w), rtol=1e-5, atol=1e-6) for b, w in pairs]
     assert not all(close)  # a window that never slides is caught
+
+
+@pytest.mark.parametrize("kind", gx.KINDS)
+def test_experimental_kernels_match_the_reference_and_keep_chain_parity(kind):
+    """scripts/gdn_experiments.py: checked here so that device time only measures them."""
+    lanes = 32 if kind == "one_reduction" else int(kind.rsplit("_", 1)[1])
+
+    def emulate(x, keep):
+        source = (gx.one_reduction_source if lanes == 32 else gx.lane_group_source)(keep)
+        return _emulate(x, keep, rows=4, source=source, lanes=lanes)
+
+    for T in (1, 3):
+        x = _raw_inputs(T, seed=20 + T, dv=32)
+        for g, w in zip(emulate(x, T > 1), _reference(x, T > 1), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    _assert_chain_parity(_raw_inputs(4, seed=30, dv=32), emulate)
