@@ -13,6 +13,7 @@ import pytest
 
 from mtpcli.kernels import conv_window as cw
 from mtpcli.kernels import gated_delta as gd
+from mtpcli.kernels import quantized_matmul as qm
 
 pytestmark = pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++")
 
@@ -181,3 +182,57 @@ def test_experimental_kernels_match_the_reference_and_keep_chain_parity(kind):
         for g, w in zip(emulate(x, T > 1), _reference(x, T > 1), strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
     _assert_chain_parity(_raw_inputs(4, seed=30, dv=32), emulate)
+
+
+# The Metal sources, run the same way: nothing else here can run them.
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "plain"])
+@pytest.mark.parametrize("T, keep", [(1, False), (3, True)])
+def test_emulated_metal_gated_delta_matches_the_reference(raw, T, keep):
+    x = (_raw_inputs if raw else _plain_inputs)(T, seed=40 + T)
+    got = _emulate(x, keep, source=gd._source(True, keep, raw))
+    for g, w in zip(got, _reference(x, keep), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_emulated_metal_convolution_matches_the_reference():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 300), dtype=np.float32)[..., 10:290]
+    window = rng.standard_normal((2, 3, 280), dtype=np.float32)
+    weight = rng.standard_normal((280, 4, 1), dtype=np.float32) * 0.5
+    want = cw.conv_silu_ops(mx.array(x), mx.array(window), mx.array(weight))
+    for g, w in zip(_conv(x, window, weight, cw._METAL_SOURCE), want, strict=True):
+        np.testing.assert_allclose(g, np.array(w), rtol=1e-5, atol=1e-6)
+
+
+def _metal_qmm(x: np.ndarray, w, scales, biases, group_size: int, bits: int) -> np.ndarray:
+    n = w.shape[0]
+    out = cuda_emulation.run(
+        qm._METAL_SOURCE,
+        {"x": x, "w": w, "scales": scales, "biases": biases},
+        {"y": (x.shape[0], n)},
+        {"XT": "float", "ST": "float", "BITS": bits, "GS": group_size, "WARPS": qm.WARPS},
+        grid=(32 * qm.WARPS * ((n + 15) // 16), 1, 1),
+        threadgroup=(32 * qm.WARPS, 1, 1),
+    )
+    return out["y"]
+
+
+@pytest.mark.parametrize("bits", qm.BITS)
+@pytest.mark.parametrize("group_size", qm.GROUP_SIZES)
+def test_emulated_metal_quantized_matmul_matches_the_reference(bits, group_size):
+    """The Metal product is its own code (no tensor-core mma on Metal), not a mirror of the
+    CUDA one: its logic against mx.quantized_matmul, and rows M-invariant, bitwise."""
+    n, k = 40, 512  # 40 rows: a partial last tile; 512 = 2 x 16-word stretches at 4 bits
+    rng = np.random.default_rng(bits * 1000 + group_size)
+    w, scales, biases = mx.quantize(
+        mx.array(rng.standard_normal((n, k), dtype=np.float32)), group_size=group_size, bits=bits
+    )
+    x = rng.standard_normal((8, k), dtype=np.float32)
+    arrays = [np.array(a) for a in (w, scales, biases)]
+    got = {m: _metal_qmm(x[:m], *arrays, group_size, bits) for m in (1, 3, 8)}
+    want = qm.quantized_matmul_ops(mx.array(x), w, scales, biases, group_size=group_size,
+                                   bits=bits)  # fmt: skip
+    np.testing.assert_allclose(got[8], np.array(want), rtol=1e-4, atol=1e-4)
+    assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
