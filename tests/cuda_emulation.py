@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import re
 import shutil
 import subprocess
 import tempfile
@@ -21,6 +22,8 @@ _PRELUDE = r"""
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <deque>
 #include <thread>
 #include <vector>
 using std::min;
@@ -28,19 +31,24 @@ struct Dim3 { int x, y, z; };
 thread_local Dim3 threadIdx, blockIdx;
 static Dim3 blockDim;
 struct Row {  // the x threads of one (y, z) of a threadgroup
-  explicit Row(int n) : sync(n) {}
+  explicit Row(int n) : sync(n) {
+    for (int w = 0; w < n / 32; ++w) warps.emplace_back(32);
+  }
   float buf[1024];
-  std::barrier<> sync;
+  uint32_t frag[1024][6];  // mma operands: a[4], b[2] of each thread
+  std::barrier<> sync;  // the whole row (a 1-row threadgroup's __syncthreads)
+  std::deque<std::barrier<>> warps;  // each warp's 32 threads (shuffles, mma)
 };
 thread_local Row* row_;
-static float __shfl_xor_sync(unsigned, float v, int off) {  // every thread must call it
+static inline void warp_wait() { row_->warps[threadIdx.x >> 5].arrive_and_wait(); }
+static float __shfl_xor_sync(unsigned, float v, int off) {  // every lane of the warp calls it
   row_->buf[threadIdx.x] = v;
-  row_->sync.arrive_and_wait();
+  warp_wait();
   const float r = row_->buf[(threadIdx.x & ~31) | ((threadIdx.x & 31) ^ off)];
-  row_->sync.arrive_and_wait();
+  warp_wait();
   return r;
 }
-static inline void __syncwarp() { row_->sync.arrive_and_wait(); }
+static inline void __syncwarp() { warp_wait(); }
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 // One copy for the whole launch: threadgroup rows run one at a time, so a kernel whose warps
 // each keep to their own slice (indexed by threadIdx.y) sees its own shared memory.
@@ -59,6 +67,89 @@ static inline float simd_shuffle_xor(float v, ushort off) { return __shfl_xor_sy
     blockIdx.y * blockDim.y + threadIdx.y, blockIdx.z * blockDim.z + threadIdx.z})
 #define thread_index_in_simdgroup (threadIdx.x & 31)
 #define simdgroup_index_in_threadgroup (threadIdx.x >> 5)
+static inline void __syncthreads() { row_->sync.arrive_and_wait(); }  // 1-row threadgroups
+
+// CUDA's 16-bit float types and the intrinsics our kernels use, bit-exact in storage.
+struct __nv_bfloat16 {
+  uint16_t bits = 0;
+  __nv_bfloat16() = default;
+  __nv_bfloat16(float f) {  // round to nearest even
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    bits = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+  operator float() const {
+    const uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+struct __half {
+  _Float16 v = 0;
+  __half() = default;
+  __half(float f) : v(static_cast<_Float16>(f)) {}
+  operator float() const { return static_cast<float>(v); }
+};
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+struct __half2 { __half x, y; };
+struct uint2 { uint32_t x, y; };
+struct uint4 { uint32_t x, y, z, w; };
+#define __device__
+#define __forceinline__ inline
+static inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
+  return {float(a.x) - float(b.x), float(a.y) - float(b.y)};
+}
+static inline __half2 __hsub2(__half2 a, __half2 b) {
+  return {float(a.x) - float(b.x), float(a.y) - float(b.y)};
+}
+static inline __nv_bfloat162 __hfma2(__nv_bfloat162 a, __nv_bfloat162 b, __nv_bfloat162 c) {
+  return {std::fma(float(a.x), float(b.x), float(c.x)),
+          std::fma(float(a.y), float(b.y), float(c.y))};
+}
+static inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
+  return {std::fma(float(a.x), float(b.x), float(c.x)),
+          std::fma(float(a.y), float(b.y), float(c.y))};
+}
+static inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {a, b}; }
+static inline uint32_t __byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
+  const uint64_t v = (static_cast<uint64_t>(b) << 32) | a;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) {
+    r |= static_cast<uint32_t>((v >> (8 * ((sel >> (4 * i)) & 7))) & 0xFFu) << (8 * i);
+  }
+  return r;
+}
+// mma.sync.m16n8k16.row.col with fp32 accumulation, across the warp: A 16x16 and B 16x8 in
+// PTX's fragment layout (lane = 4 * group + thread in group), C/D 16x8.
+template <typename T>
+static void emulated_mma(float* c, const uint32_t* a, const uint32_t* b) {
+  const int base = threadIdx.x & ~31, lane = threadIdx.x & 31;
+  for (int i = 0; i < 4; ++i) row_->frag[threadIdx.x][i] = a[i];
+  for (int i = 0; i < 2; ++i) row_->frag[threadIdx.x][4 + i] = b[i];
+  warp_wait();
+  auto half_of = [](uint32_t w, int k) {
+    T h;
+    const uint16_t bits = static_cast<uint16_t>(w >> (16 * (k & 1)));
+    std::memcpy(&h, &bits, 2);
+    return static_cast<float>(h);
+  };
+  float d[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = (lane >> 2) + (i >= 2 ? 8 : 0), col = 2 * (lane & 3) + (i & 1);
+    float acc = c[i];
+    for (int k = 0; k < 16; ++k) {
+      const int from = (k % 8) / 2;
+      const int ra = (row >= 8) + 2 * (k >= 8);  // which of a[4]
+      const float x = half_of(row_->frag[base + (row % 8) * 4 + from][ra], k);
+      const float y = half_of(row_->frag[base + col * 4 + from][4 + (k >= 8)], k);
+      acc = std::fma(x, y, acc);
+    }
+    d[i] = acc;
+  }
+  warp_wait();
+  for (int i = 0; i < 4; ++i) c[i] = d[i];
+}
 using std::exp;
 using std::fabs;
 using std::fma;
@@ -107,6 +198,17 @@ def _build(code: str) -> ctypes.CDLL:
 
 
 _C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.uint32): "uint32_t"}
+_MMA = re.compile(
+    r'asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(\w+)\.'
+    r'.*?"r"\(b\[1\]\)\);',
+    re.DOTALL,
+)
+
+
+def emulated_mma(header: str) -> str:
+    """``header`` with each inline-PTX m16n8k16 mma replaced by the emulated one."""
+    kinds = {"bf16": "__nv_bfloat16", "f16": "__half"}
+    return _MMA.sub(lambda m: f"emulated_mma<{kinds[m.group(1)]}>(c, a, b);", header)
 
 
 def run(
@@ -116,25 +218,33 @@ def run(
     constants: dict[str, int | str],
     grid: tuple[int, int, int],
     threadgroup: tuple[int, int, int],
+    header: str = "",
+    types: dict[str, str] | None = None,
 ) -> dict[str, np.ndarray]:
     """Launch ``source`` over ``grid`` threads in ``threadgroup`` blocks (x a multiple of 32,
     at most 1024). Inputs are float32 or uint32 arrays, views allowed (read through their
     strides); outputs are float32. ``constants`` fill the template: ints, or type names (the
-    type parameters InT, AT and DT are float unless given)."""
+    type parameters InT, AT and DT are float unless given). ``types`` names an input's C type
+    where its bits are not a float32 or uint32 array's (bf16 inputs as uint16 arrays, say);
+    ``header`` goes before the kernel, as ``mx.fast.cuda_kernel``'s does."""
     assert threadgroup[0] % 32 == 0 and threadgroup[0] <= 1024
     assert all(g % t == 0 for g, t in zip(grid, threadgroup, strict=True))
     names = list(inputs)
     arrays = [np.asarray(inputs[n]) for n in names]
-    ctypes_ = [_C_TYPES[a.dtype] for a in arrays]
+    types = types or {}
+    ctypes_ = [types.get(n) or _C_TYPES[a.dtype] for n, a in zip(names, arrays, strict=True)]
     params = [f"const {c}* {n}, const int64_t* {n}_strides, const int32_t* {n}_shape"
               for n, c in zip(names, ctypes_, strict=True)]  # fmt: skip
     params += [f"float* {n}" for n in outputs]
     args = [f"(const {c}*)in[{i}], strides[{i}], shapes[{i}]" for i, c in enumerate(ctypes_)]
     args += [f"(float*)out[{i}]" for i in range(len(outputs))]
     constants = {"InT": "float", "AT": "float", "DT": "float"} | constants
-    header = "".join(
-        f"using {k} = {v};\n" if isinstance(v, str) else f"constexpr int {k} = {v};\n"
-        for k, v in constants.items()
+    header = (
+        "".join(
+            f"using {k} = {v};\n" if isinstance(v, str) else f"constexpr int {k} = {v};\n"
+            for k, v in constants.items()
+        )
+        + header
     )
     code = (_PRELUDE + header + f"static void kernel({', '.join(params)}) {{\n{source}\n}}\n"
             + _LAUNCH.replace("ARGS", ", ".join(args)))  # fmt: skip

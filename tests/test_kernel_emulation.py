@@ -236,3 +236,42 @@ def test_emulated_metal_quantized_matmul_matches_the_reference(bits, group_size)
                                    bits=bits)  # fmt: skip
     np.testing.assert_allclose(got[8], np.array(want), rtol=1e-4, atol=1e-4)
     assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
+
+
+def _bits16(a: mx.array) -> np.ndarray:
+    """A bfloat16 array's storage, as the kernel reads it."""
+    return np.array(a.view(mx.uint16))
+
+
+@pytest.mark.parametrize("bits", qm.BITS)
+@pytest.mark.parametrize("group_size", qm.GROUP_SIZES)
+def test_emulated_cuda_quantized_matmul_matches_the_reference(bits, group_size):
+    """The CUDA product, its tensor-core mma emulated by the PTX fragment layout: its logic
+    against x times the weights as it dequantizes them (scale * q + bias, rounded once to
+    bf16) in float64, and rows M-invariant, bitwise."""
+    n, k = 40, 512
+    w, scales, biases = qm.random_quantized(n, k, group_size, bits, mx.bfloat16, seed=bits)
+    x = mx.random.normal((8, k), key=mx.random.key(group_size)).astype(mx.bfloat16)
+    words = np.array(w)  # [N, K * bits / 32]
+    q = (words[..., None] >> (bits * np.arange(32 // bits, dtype=np.uint32))) & (2**bits - 1)
+    per_group = (n, k // group_size, group_size)
+    scale, bias = (np.array(a.astype(mx.float32), np.float64)[..., None] for a in (scales, biases))
+    dense = (q.reshape(per_group) * scale + bias).reshape(n, k)
+    dense = np.array(mx.array(dense.astype(np.float32)).astype(mx.bfloat16).astype(mx.float32))
+    want = np.array(x.astype(mx.float32), np.float64) @ dense.astype(np.float64).T
+    got = {}
+    for m in (1, 3, 8):
+        got[m] = cuda_emulation.run(
+            qm._CUDA_SOURCE,
+            {"x": _bits16(x[:m]), "w": np.array(w), "scales": _bits16(scales),
+             "biases": _bits16(biases)},
+            {"y": (m, n)},
+            {"XT": "__nv_bfloat16", "ST": "__nv_bfloat16", "BITS": bits, "GS": group_size,
+             "WARPS": qm.WARPS},
+            grid=(32 * qm.WARPS * ((n + 15) // 16), 1, 1),
+            threadgroup=(32 * qm.WARPS, 1, 1),
+            header=cuda_emulation.emulated_mma(qm._HEADER_CUDA),
+            types={"x": "XT", "scales": "ST", "biases": "ST"},
+        )["y"]  # fmt: skip
+    np.testing.assert_allclose(got[8], want, rtol=2**-7, atol=1e-3)  # bf16 outputs
+    assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
