@@ -1,8 +1,9 @@
 """Run an ``mx.fast.cuda_kernel`` or ``mx.fast.metal_kernel`` source on the CPU: each row of a
 threadgroup (its x threads) as threads that meet at every shuffle and barrier, exchanging within
-their 32-lane warps / SIMD-groups. For testing a kernel's logic (indexing, strides, splices,
-the step loop) where no GPU is; float32 activations only, so input-dtype rounding and the GPU's
-codegen are not covered (the H200 tests cover those for CUDA; nothing runs Metal here)."""
+their 32-lane warps / SIMD-groups; tensor-core mma is emulated from PTX's fragment layout, and
+CUDA's bf16 / fp16 types are bit-exact in storage. For testing a kernel's logic (indexing,
+strides, splices, the step loop) where no GPU is; the GPU's codegen and fast-math are not
+covered (the H200 tests cover those for CUDA; nothing runs Metal here)."""
 
 from __future__ import annotations
 
