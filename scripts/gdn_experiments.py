@@ -62,24 +62,15 @@ def one_reduction_source(keep: bool) -> str:
 
 # Lane l loads and normalises q/k columns l * NPT .. (as the product); lane (row l / L, sub
 # l % L) holds state columns i * L + sub of its row (interleaved: conflict-free shared reads).
-_LANE_GROUP = """
-    constexpr int NPT = Dk / 32;
-    constexpr int CPL = Dk / L;
-    constexpr int RPW = 32 / L;
-    const int B = k_shape[0];
-    const int T = k_shape[1];
-    const int lane = threadIdx.x;
+# The prologue (shapes, indices, input pointers) is the product's, with the row index changed.
+_PRODUCT_ROW = "    const int dv = (blockIdx.y * blockDim.y + threadIdx.y) * R;\n"
+_LANE_GROUP_ROW = """    constexpr int RPW = 32 / L;
     const int sub = lane % L;
     const int dv = (blockIdx.y * blockDim.y + threadIdx.y) * RPW + lane / L;
-    const int n = blockIdx.z;
-    const int b = n / Hv;
-    const int hv = n % Hv;
-    const int hk = hv / (Hv / Hk);
-    const InT* q_ = q + b * q_strides[0] + hk * q_strides[2] + lane * NPT * q_strides[3];
-    const InT* k_ = k + b * k_strides[0] + hk * k_strides[2] + lane * NPT * k_strides[3];
-    const InT* v_ = v + b * v_strides[0] + hv * v_strides[2] + dv * v_strides[3];
-    InT* y_ = y + (size_t)b * T * Hv * Dv + hv * Dv + dv;
+"""
+_LANE_GROUP = """
     GATE_INPUTS
+    constexpr int CPL = Dk / L;
     __shared__ float qk_sh[4][2][Dk];  // per warp of the threadgroup: normalised q and k
     float* q_sh = qk_sh[threadIdx.y][0];
     float* k_sh = qk_sh[threadIdx.y][1];
@@ -135,7 +126,9 @@ _LANE_GROUP_KEEP = """if (t + 1 < T) {
 
 def lane_group_source(keep: bool) -> str:
     """The lane-group kernel (raw variant), with the product's gate and q/k splices."""
-    src = _LANE_GROUP
+    product = gd._CUDA_SOURCE[: gd._CUDA_SOURCE.index("    GATE_INPUTS\n")]
+    assert _PRODUCT_ROW in product, "the product's row index changed: update _PRODUCT_ROW"
+    src = product.replace(_PRODUCT_ROW, _LANE_GROUP_ROW) + _LANE_GROUP.lstrip("\n")
     for name, blocks in gd._RAW.items():
         src = src.replace(name, blocks[0])
     return src.replace("KEEP_STATES", _LANE_GROUP_KEEP if keep else "")
