@@ -1,11 +1,17 @@
 """Quantized matmul at M = 1..8 rows: our kernel against MLX's, per layer of the 27B shape.
 
     python scripts/bench_qmm.py --repeats 10 --out docs/benchmark_results
+    python scripts/bench_qmm.py --arms 8x1 4x2 8x2 --ms 1 3 8   # our kernel's warps x depth
+    ncu --set full -k regex:mtp_qmm python scripts/bench_qmm.py --launches-only
 
 For each layer (random affine-quantized weights, bf16 activations) and M, the median time of
 one product (``CALLS`` independent products per evaluation, divided), the weight bytes moved per
 second, and whether every row of the M-row product is bitwise the one-row product. The device's
-own read bandwidth (a large reduction) is measured in the same run, as the yardstick.
+own read bandwidth is measured in the same run, as the yardstick: a streaming read kernel
+(16-byte loads, enough blocks to fill the device) and, as before, a large reduction; the
+faster of the two is the yardstick. An arm ``WxD`` is our kernel with W split-K warps per tile
+and loads requested D stretches ahead; ``mlx`` is ``mx.quantized_matmul``.
+``--launches-only`` runs each arm once per layer at M = 1 and 3, for a profiler.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import json
 import os
 import platform
 import time
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -33,20 +40,61 @@ LAYERS = {  # name: (K, N) of the Qwen3.8-27B shape
 CALLS = 32  # products per evaluation (4 for the head), so a sync is not what is timed
 
 
+_STREAM = """
+    const size_t n = a_shape[0] / 4;
+    const uint4* p = reinterpret_cast<const uint4*>(a);
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    uint32_t acc = 0u;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += 2 * stride) {
+      const uint4 u = p[i];
+      const uint4 v = i + stride < n ? p[i + stride] : make_uint4(0u, 0u, 0u, 0u);
+      acc ^= u.x ^ u.y ^ u.z ^ u.w ^ v.x ^ v.y ^ v.z ^ v.w;
+    }
+    out[(size_t)blockIdx.x * blockDim.x + threadIdx.x] = acc;
+"""
+
+
 def device_read_bandwidth(repeats: int) -> dict:
-    x = mx.ones((1 << 30) // 2, dtype=mx.bfloat16)  # 1 GiB
-    mx.eval(x)
-    t = timed_ms(lambda: mx.eval(x.sum()), repeats)
-    return {"gb_s": x.nbytes / (t["median"] / 1e3) / 1e9, "ms": t}
+    """GB/s of a 1 GiB read: a streaming kernel of 16-byte loads, and a reduction (bf16 sum)."""
+    a = mx.ones((1 << 30) // 4, dtype=mx.uint32)  # 1 GiB
+    x = a.view(mx.bfloat16)
+    mx.eval(a)
+    threads = 256 * 132 * 8  # 8 blocks of 256 per SM of an H200 (any GPU: enough to fill it)
+    kernel = mx.fast.cuda_kernel(
+        name="bench_stream_read", input_names=["a"], output_names=["out"], source=_STREAM
+    )
+
+    def stream():
+        return kernel(inputs=[a], grid=(threads, 1, 1), threadgroup=(256, 1, 1),
+                      output_shapes=[(threads,)], output_dtypes=[mx.uint32])[0]  # fmt: skip
+
+    out = {}
+    for name, fn in (("stream", stream), ("reduction", lambda: x.sum())):
+        t = timed_ms(lambda fn=fn: mx.eval(fn()), repeats)
+        out[name] = {"gb_s": a.nbytes / (t["median"] / 1e3) / 1e9, "ms": t}
+    out["gb_s"] = max(out["stream"]["gb_s"], out["reduction"]["gb_s"])
+    return out
 
 
-def launch_floor(repeats: int) -> dict:
+def arms(names: list[str]) -> dict:
+    """``WxD`` -> our kernel with W warps and depth D; ``mlx`` -> MLX's product."""
+    out = {}
+    for name in names:
+        if name == "mlx":
+            out[name] = qm.quantized_matmul_ops
+            continue
+        warps, depth = (int(v) for v in name.split("x"))
+        out[name] = partial(qm.quantized_matmul_native, warps=warps, depth=depth)
+    return out
+
+
+def launch_floor(repeats: int, fns: dict) -> dict:
     """One tiny product (16 x 128): what a launch costs when the weights are nothing."""
     w, scales, biases = qm.random_quantized(16, 128, 64, 4, mx.bfloat16, seed=1)
     x = mx.random.normal((1, 128)).astype(mx.bfloat16)
     mx.eval(w, scales, biases, x)
     out = {}
-    for name, fn in (("ours", qm.quantized_matmul_native), ("mlx", qm.quantized_matmul_ops)):
+    for name, fn in fns.items():
         t = timed_ms(lambda fn=fn: mx.eval([fn(x + i, w, scales, biases, group_size=64, bits=4)
                                             for i in range(CALLS)]), repeats)  # fmt: skip
         out[name] = t["median"] * 1e3 / CALLS
@@ -55,31 +103,47 @@ def launch_floor(repeats: int) -> dict:
     return out
 
 
-def layer_costs(k: int, n: int, bits: int, gs: int, repeats: int) -> dict:
+def _weights(k: int, n: int, bits: int, gs: int):
     w, scales, biases = qm.random_quantized(n, k, gs, bits, mx.bfloat16, seed=k + n)
-    nbytes = w.nbytes + scales.nbytes + biases.nbytes
     calls = CALLS if n < 100_000 else 4
     xs = [mx.random.normal((8, k), key=mx.random.key(i)).astype(mx.bfloat16) for i in range(calls)]
     mx.eval(w, scales, biases, xs)
+    return (w, scales, biases), xs
+
+
+def layer_costs(k: int, n: int, bits: int, gs: int, repeats: int, fns: dict, ms: list) -> dict:
+    (w, scales, biases), xs = _weights(k, n, bits, gs)
+    nbytes = w.nbytes + scales.nbytes + biases.nbytes
     kw = {"group_size": gs, "bits": bits}
-    out: dict = {"weight_mib": nbytes / 2**20, "ours": {}, "mlx": {}, "rows_bitwise": {}}
-    one = qm.quantized_matmul_native(xs[0][:1], w, scales, biases, **kw)
-    for M in range(1, 9):
-        for name, fn in (("ours", qm.quantized_matmul_native), ("mlx", qm.quantized_matmul_ops)):
+    out: dict = {"weight_mib": nbytes / 2**20, "rows_bitwise": {}} | {name: {} for name in fns}
+    for M in ms:
+        for name, fn in fns.items():  # arms in turn for each M: a drift moves them alike
 
             def run(fn=fn, M=M):
                 mx.eval([fn(x[:M], w, scales, biases, **kw) for x in xs])
 
             t = timed_ms(run, repeats)
-            us, lo, hi = (t[s] * 1e3 / calls for s in ("median", "min", "max"))
+            us, lo, hi = (t[s] * 1e3 / len(xs) for s in ("median", "min", "max"))
             out[name][M] = {"us": us, "gb_s": nbytes / (us / 1e6) / 1e9, "min_us": lo, "max_us": hi}
-        # Row 0 of every M-row product against the one-row product, and all rows against M=8.
-        full = qm.quantized_matmul_native(xs[0], w, scales, biases, **kw)
-        part = qm.quantized_matmul_native(xs[0][:M], w, scales, biases, **kw)
-        out["rows_bitwise"][M] = bool(
-            mx.array_equal(part[:1], one).item() and mx.array_equal(part, full[:M]).item()
-        )
+        # Every arm of ours: all rows of the M-row product against the 8-row product's rows,
+        # and row 0 against the one-row product.
+        out["rows_bitwise"][M] = {}
+        for name, fn in fns.items():
+            if name != "mlx":
+                one, full, part = (fn(xs[0][:m], w, scales, biases, **kw) for m in (1, 8, M))
+                out["rows_bitwise"][M][name] = bool(
+                    mx.array_equal(part[:1], one).item() and mx.array_equal(part, full[:M]).item()
+                )
     return out
+
+
+def launches_only(fns: dict, bits: int, gs: int) -> None:
+    for name, (k, n) in LAYERS.items():
+        (w, scales, biases), xs = _weights(k, n, bits, gs)
+        for arm, fn in fns.items():
+            for M in (1, 3):
+                mx.eval(fn(xs[0][:M], w, scales, biases, group_size=gs, bits=bits))
+                print(f"{name} {arm} M={M}: 1 launch", flush=True)
 
 
 def main() -> None:
@@ -89,25 +153,35 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--name", default=None)
+    ap.add_argument("--arms", nargs="+", default=[f"{qm.WARPS}x{qm.DEPTH}", "mlx"],
+                    help="WxD (our kernel: W warps, depth D) or mlx")  # fmt: skip
+    ap.add_argument("--ms", type=int, nargs="+", default=list(range(1, 9)))
+    ap.add_argument("--launches-only", action="store_true")
     args = ap.parse_args()
-    if kernels.backend() == "cpu":
-        raise SystemExit("needs a GPU backend (the kernel has no CPU variant)")
+    if kernels.backend() != "cuda":
+        raise SystemExit("needs the CUDA backend (the yardstick kernel is CUDA)")
+    fns = arms(args.arms)
+    if args.launches_only:
+        launches_only(fns, args.bits, args.group_size)
+        return
     load_before = os.getloadavg()
     res: dict = {
         "device": _device(), "backend": kernels.backend(), "mlx": mx.__version__,
         "python": platform.python_version(), "bits": args.bits, "group_size": args.group_size,
-        "calls_per_eval": CALLS, "repeats": args.repeats,
+        "calls_per_eval": CALLS, "repeats": args.repeats, "arms": args.arms,
     }  # fmt: skip
     t0 = time.time()
     res["device_read"] = device_read_bandwidth(args.repeats)
-    print(f"device read {res['device_read']['gb_s']:.0f} GB/s", flush=True)
-    res["launch_floor_us"] = launch_floor(args.repeats)
+    print("device read GB/s", {k: round(v["gb_s"]) for k, v in res["device_read"].items()
+                                if isinstance(v, dict)}, flush=True)  # fmt: skip
+    res["launch_floor_us"] = launch_floor(args.repeats, fns)
     print("launch floor us", res["launch_floor_us"], flush=True)
     res["layers"] = {}
     for name, (k, n) in LAYERS.items():
-        res["layers"][name] = r = layer_costs(k, n, args.bits, args.group_size, args.repeats)
-        print(name, {M: (round(r["ours"][M]["us"], 1), round(r["mlx"][M]["us"], 1),
-                         r["rows_bitwise"][M]) for M in r["ours"]}, flush=True)  # fmt: skip
+        res["layers"][name] = r = layer_costs(
+            k, n, args.bits, args.group_size, args.repeats, fns, args.ms
+        )
+        print(name, {M: [round(r[a][M]["us"], 1) for a in fns] for M in args.ms}, flush=True)
     res["seconds"] = time.time() - t0
     res["load_before"], res["load_after"] = load_before, os.getloadavg()
     if args.out:
@@ -119,33 +193,38 @@ def main() -> None:
 
 
 def markdown(res: dict, args) -> str:
-    peak = res["device_read"]["gb_s"]
+    read = res["device_read"]
+    peak = read["gb_s"]
+    ms = [M for M in (1, 2, 3, 4, 8) if M in args.ms]
+    floor = ", ".join(f"{a} {us:.1f} us" for a, us in res["launch_floor_us"].items())
     lines = [
         f"# Quantized matmul, {res['bits']}-bit group {res['group_size']}, M = 1..8 rows",
         "",
         f"`python scripts/bench_qmm.py --repeats {args.repeats} --bits {args.bits} "
-        f"--group-size {args.group_size}` on {res['device']} ({res['backend']}), MLX "
-        f"{res['mlx']}; load {res['load_before'][0]:.2f} before, {res['load_after'][0]:.2f} "
-        f"after. Median of {res['repeats']} evaluations of {res['calls_per_eval']} independent "
-        "products (4 for the head), divided; min-max in the JSON. Device read bandwidth, same "
-        f"run (1 GiB reduction): {peak:.0f} GB/s. One tiny product (16 x 128, with the add "
-        f"that makes its input) costs {res['launch_floor_us']['ours']:.1f} us ours, "
-        f"{res['launch_floor_us']['mlx']:.1f} us MLX's, the add alone "
-        f"{res['launch_floor_us']['x + i alone']:.1f} us: the floor under every row below.",
+        f"--group-size {args.group_size} --arms {' '.join(args.arms)}` on {res['device']} "
+        f"({res['backend']}), MLX {res['mlx']}; load {res['load_before'][0]:.2f} before, "
+        f"{res['load_after'][0]:.2f} after. Median of {res['repeats']} evaluations of "
+        f"{res['calls_per_eval']} independent products (4 for the head), divided; min-max in "
+        f"the JSON. Arms `WxD`: our kernel, W warps, depth D. Device read bandwidth, same run, "
+        f"1 GiB: {read['stream']['gb_s']:.0f} GB/s streaming kernel, "
+        f"{read['reduction']['gb_s']:.0f} GB/s reduction; the % column is of {peak:.0f}. One "
+        f"tiny product (16 x 128, with the add that makes its input): {floor}.",
         "",
-        "| layer | weights MiB | path | M=1 us | M=2 | M=3 | M=4 | M=8 | M=1 GB/s (% of read) "
-        "| M=3 / M=1 | rows bitwise |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layer | weights MiB | arm | "
+        + " | ".join(f"M={M} us" for M in ms)
+        + " | M=1 GB/s (% of read) | M=3 / M=1 | rows bitwise |",
+        "|---|---|---|" + "---|" * (len(ms) + 3),
     ]
     for name, r in res["layers"].items():
-        for path in ("ours", "mlx"):
-            d = r[path]
-            bitwise = all(r["rows_bitwise"].values()) if path == "ours" else ""
+        for arm in args.arms:
+            d = r[arm]
+            bitwise = "" if arm == "mlx" else all(v[arm] for v in r["rows_bitwise"].values())
+            ratio = f"{d[3]['us'] / d[1]['us']:.2f}" if 1 in d and 3 in d else ""
+            gbs = f"{d[1]['gb_s']:.0f} ({100 * d[1]['gb_s'] / peak:.0f}%)" if 1 in d else ""
             lines.append(
-                f"| {name} | {r['weight_mib']:.0f} | {path} | "
-                + " | ".join(f"{d[M]['us']:.1f}" for M in (1, 2, 3, 4, 8))
-                + f" | {d[1]['gb_s']:.0f} ({100 * d[1]['gb_s'] / peak:.0f}%) | "
-                f"{d[3]['us'] / d[1]['us']:.2f} | {bitwise} |"
+                f"| {name} | {r['weight_mib']:.0f} | {arm} | "
+                + " | ".join(f"{d[M]['us']:.1f}" for M in ms)
+                + f" | {gbs} | {ratio} | {bitwise} |"
             )
     return "\n".join(lines) + "\n"
 

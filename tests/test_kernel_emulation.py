@@ -252,26 +252,51 @@ def test_emulated_cuda_quantized_matmul_matches_the_reference(bits, group_size):
     n, k = 40, 512
     w, scales, biases = qm.random_quantized(n, k, group_size, bits, mx.bfloat16, seed=bits)
     x = mx.random.normal((8, k), key=mx.random.key(group_size)).astype(mx.bfloat16)
+    want = _as_dequantized(x, w, scales, biases, group_size, bits)
+    got = {m: _cuda_qmm(x[:m], w, scales, biases, group_size, bits) for m in (1, 3, 8)}
+    np.testing.assert_allclose(got[8], want, rtol=2**-7, atol=1e-3)  # bf16 outputs
+    assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
+
+
+def _as_dequantized(x, w, scales, biases, group_size, bits) -> np.ndarray:
+    """x times the weights as the CUDA kernel dequantizes them (scale * q + bias, rounded once
+    to bf16), in float64."""
+    n, k = w.shape[0], x.shape[-1]
     words = np.array(w)  # [N, K * bits / 32]
     q = (words[..., None] >> (bits * np.arange(32 // bits, dtype=np.uint32))) & (2**bits - 1)
     per_group = (n, k // group_size, group_size)
     scale, bias = (np.array(a.astype(mx.float32), np.float64)[..., None] for a in (scales, biases))
     dense = (q.reshape(per_group) * scale + bias).reshape(n, k)
     dense = np.array(mx.array(dense.astype(np.float32)).astype(mx.bfloat16).astype(mx.float32))
-    want = np.array(x.astype(mx.float32), np.float64) @ dense.astype(np.float64).T
-    got = {}
-    for m in (1, 3, 8):
-        got[m] = cuda_emulation.run(
-            qm._CUDA_SOURCE,
-            {"x": _bits16(x[:m]), "w": np.array(w), "scales": _bits16(scales),
-             "biases": _bits16(biases)},
-            {"y": (m, n)},
-            {"XT": "__nv_bfloat16", "ST": "__nv_bfloat16", "BITS": bits, "GS": group_size,
-             "WARPS": qm.WARPS},
-            grid=(32 * qm.WARPS * ((n + 15) // 16), 1, 1),
-            threadgroup=(32 * qm.WARPS, 1, 1),
-            header=cuda_emulation.emulated_mma(qm._HEADER_CUDA),
-            types={"x": "XT", "scales": "ST", "biases": "ST"},
-        )["y"]  # fmt: skip
-    np.testing.assert_allclose(got[8], want, rtol=2**-7, atol=1e-3)  # bf16 outputs
-    assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
+    return np.array(x.astype(mx.float32), np.float64) @ dense.astype(np.float64).T
+
+
+def _cuda_qmm(x, w, scales, biases, group_size, bits, warps=qm.WARPS, depth=qm.DEPTH):
+    n = w.shape[0]
+    return cuda_emulation.run(
+        qm._CUDA_SOURCE,
+        {"x": _bits16(x), "w": np.array(w), "scales": _bits16(scales), "biases": _bits16(biases)},
+        {"y": (x.shape[0], n)},
+        {"XT": "__nv_bfloat16", "ST": "__nv_bfloat16", "BITS": bits, "GS": group_size,
+         "WARPS": warps, "DEPTH": depth},
+        grid=(32 * warps * ((n + 15) // 16), 1, 1),
+        threadgroup=(32 * warps, 1, 1),
+        header=cuda_emulation.emulated_mma(qm._HEADER_CUDA),
+        types={"x": "XT", "scales": "ST", "biases": "ST"},
+    )["y"]  # fmt: skip
+
+
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_emulated_cuda_quantized_matmul_prefetch_depth_changes_no_bit(bits):
+    """Loads requested further ahead must not change the products' order: every depth gives
+    depth 1's result bitwise. 2 warps over 32 stretches: each warp refills every buffer of
+    depth 3 more than once, and the last round is partial."""
+    n, k = 24, 4096 if bits == 4 else 2048
+    w, scales, biases = qm.random_quantized(n, k, 64, bits, mx.bfloat16, seed=3)
+    x = mx.random.normal((3, k), key=mx.random.key(4)).astype(mx.bfloat16)
+    base = _cuda_qmm(x, w, scales, biases, 64, bits, warps=2, depth=1)
+    want = _as_dequantized(x, w, scales, biases, 64, bits)
+    np.testing.assert_allclose(base, want, rtol=2**-7, atol=1e-3)
+    for depth in (2, 3):
+        got = _cuda_qmm(x, w, scales, biases, 64, bits, warps=2, depth=depth)
+        assert np.array_equal(got, base), depth

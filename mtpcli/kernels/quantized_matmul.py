@@ -26,6 +26,7 @@ from . import available, backend, built, changed, kernel_name, use_native
 
 MAX_ROWS = 8  # the mma's n dimension
 WARPS = 8  # split-K warps per 16-row tile, reduced in a fixed order
+DEPTH = 1  # stretches of weights a CUDA warp requests ahead (changes no bit of the result)
 GROUP_SIZES = (32, 64, 128)
 BITS = (4, 8)
 
@@ -127,48 +128,57 @@ _CUDA_SOURCE = """
     const uint32_t* w_hi = w + hi * words;
     const uint32_t* x_g = reinterpret_cast<const uint32_t*>(x) + (size_t)min(g, M - 1) * (K / 2);
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    // The next stretch's weights and scales are requested before this one's products, so a
-    // warp keeps two stretches of loads in flight.
-    uint4 ql = {0u, 0u, 0u, 0u}, qh = ql;
-    ST sl = scales[lo * groups], bl = biases[lo * groups], sh = sl, bh = bl;
-    auto fetch = [&](int st) {
+    // DEPTH stretches' weights and scales are requested ahead of the products that use them,
+    // so a warp keeps DEPTH + 1 stretches of loads in flight; the products still run in
+    // stretch order, so DEPTH does not change a bit of the result.
+    uint4 ql[DEPTH], qh[DEPTH];
+    ST sl[DEPTH], bl[DEPTH], sh[DEPTH], bh[DEPTH];
+    auto fetch = [&](int d, int st) {
       const int word0 = st * 16 + t * 4;
       const int grp = (word0 * VPW) / GS;
-      ql = *reinterpret_cast<const uint4*>(w_lo + word0);
-      qh = *reinterpret_cast<const uint4*>(w_hi + word0);
-      sl = scales[lo * groups + grp];
-      bl = biases[lo * groups + grp];
-      sh = scales[hi * groups + grp];
-      bh = biases[hi * groups + grp];
+      ql[d] = *reinterpret_cast<const uint4*>(w_lo + word0);
+      qh[d] = *reinterpret_cast<const uint4*>(w_hi + word0);
+      sl[d] = scales[lo * groups + grp];
+      bl[d] = biases[lo * groups + grp];
+      sh[d] = scales[hi * groups + grp];
+      bh[d] = biases[hi * groups + grp];
     };
-    if (warp < stretches) fetch(warp);
-    for (int st = warp; st < stretches; st += WARPS) {
-      const int word0 = st * 16 + t * 4;
-      const uint32_t wl[4] = {ql.x, ql.y, ql.z, ql.w};
-      const uint32_t wh[4] = {qh.x, qh.y, qh.z, qh.w};
-      const XT s_lo = static_cast<XT>(static_cast<float>(sl));
-      const XT b_lo = static_cast<XT>(static_cast<float>(bl));
-      const XT s_hi = static_cast<XT>(static_cast<float>(sh));
-      const XT b_hi = static_cast<XT>(static_cast<float>(bh));
-      const XT2 s2_lo = {s_lo, s_lo}, b2_lo = {b_lo, b_lo};
-      const XT2 s2_hi = {s_hi, s_hi}, b2_hi = {b_hi, b_hi};
-      if (st + WARPS < stretches) fetch(st + WARPS);
-      for (int j = 0; j < 4; ++j) {
-        uint32_t xv[XW];
-        if (g < M) {
-          qm_load<XW>(xv, x_g + (word0 + j) * XW);
-        } else {
-          for (int i = 0; i < XW; ++i) xv[i] = 0u;
-        }
-        for (int s = 0; s < STEPS; ++s) {
-          uint32_t a[4], b[2];
-          a[0] = qm_as_u32(__hfma2(qm_ints<BITS>(wl[j], 2 * s, XT{}), s2_lo, b2_lo));
-          a[1] = qm_as_u32(__hfma2(qm_ints<BITS>(wh[j], 2 * s, XT{}), s2_hi, b2_hi));
-          a[2] = qm_as_u32(__hfma2(qm_ints<BITS>(wl[j], 2 * s + 1, XT{}), s2_lo, b2_lo));
-          a[3] = qm_as_u32(__hfma2(qm_ints<BITS>(wh[j], 2 * s + 1, XT{}), s2_hi, b2_hi));
-          b[0] = __byte_perm(xv[s], xv[s + STEPS], 0x5410);
-          b[1] = __byte_perm(xv[s], xv[s + STEPS], 0x7632);
-          qm_mma(c, a, b, XT{});
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      if (warp + d * WARPS < stretches) fetch(d, warp + d * WARPS);
+    }
+    for (int st0 = warp; st0 < stretches; st0 += DEPTH * WARPS) {
+#pragma unroll
+      for (int d = 0; d < DEPTH; ++d) {
+        const int st = st0 + d * WARPS;
+        if (st >= stretches) break;
+        const int word0 = st * 16 + t * 4;
+        const uint32_t wl[4] = {ql[d].x, ql[d].y, ql[d].z, ql[d].w};
+        const uint32_t wh[4] = {qh[d].x, qh[d].y, qh[d].z, qh[d].w};
+        const XT s_lo = static_cast<XT>(static_cast<float>(sl[d]));
+        const XT b_lo = static_cast<XT>(static_cast<float>(bl[d]));
+        const XT s_hi = static_cast<XT>(static_cast<float>(sh[d]));
+        const XT b_hi = static_cast<XT>(static_cast<float>(bh[d]));
+        const XT2 s2_lo = {s_lo, s_lo}, b2_lo = {b_lo, b_lo};
+        const XT2 s2_hi = {s_hi, s_hi}, b2_hi = {b_hi, b_hi};
+        if (st + DEPTH * WARPS < stretches) fetch(d, st + DEPTH * WARPS);
+        for (int j = 0; j < 4; ++j) {
+          uint32_t xv[XW];
+          if (g < M) {
+            qm_load<XW>(xv, x_g + (word0 + j) * XW);
+          } else {
+            for (int i = 0; i < XW; ++i) xv[i] = 0u;
+          }
+          for (int s = 0; s < STEPS; ++s) {
+            uint32_t a[4], b[2];
+            a[0] = qm_as_u32(__hfma2(qm_ints<BITS>(wl[j], 2 * s, XT{}), s2_lo, b2_lo));
+            a[1] = qm_as_u32(__hfma2(qm_ints<BITS>(wh[j], 2 * s, XT{}), s2_hi, b2_hi));
+            a[2] = qm_as_u32(__hfma2(qm_ints<BITS>(wl[j], 2 * s + 1, XT{}), s2_lo, b2_lo));
+            a[3] = qm_as_u32(__hfma2(qm_ints<BITS>(wh[j], 2 * s + 1, XT{}), s2_hi, b2_hi));
+            b[0] = __byte_perm(xv[s], xv[s + STEPS], 0x5410);
+            b[1] = __byte_perm(xv[s], xv[s + STEPS], 0x7632);
+            qm_mma(c, a, b, XT{});
+          }
         }
       }
     }
@@ -287,8 +297,11 @@ def _kernel():
     return built(_kernels, (), _build_cuda, _build_metal)
 
 
-def quantized_matmul_native(x, w, scales, biases, *, group_size: int, bits: int):
-    """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype; None where there is none."""
+def quantized_matmul_native(
+    x, w, scales, biases, *, group_size: int, bits: int, warps: int = WARPS, depth: int = DEPTH
+):
+    """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype; None where there is none.
+    ``warps`` and ``depth`` are for benchmarks (scripts/bench_qmm.py)."""
     kernel = _kernel()
     if kernel is None:
         return None
@@ -300,10 +313,11 @@ def quantized_matmul_native(x, w, scales, biases, *, group_size: int, bits: int)
             ("ST", scales.dtype),
             ("BITS", bits),
             ("GS", group_size),
-            ("WARPS", WARPS),
+            ("WARPS", warps),
+            ("DEPTH", depth),
         ],  # fmt: skip
-        grid=(32 * WARPS * ((N + 15) // 16), 1, 1),
-        threadgroup=(32 * WARPS, 1, 1),
+        grid=(32 * warps * ((N + 15) // 16), 1, 1),
+        threadgroup=(32 * warps, 1, 1),
         output_shapes=[(M, N)],
         output_dtypes=[x.dtype],
     )[0]
