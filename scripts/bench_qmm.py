@@ -54,20 +54,22 @@ _STREAM = """
 """
 
 
+def _stream_read(a: mx.array):
+    """The streaming read of ``a`` (uint32) as a function returning its (tiny) result."""
+    threads = 256 * 132 * 8  # 8 blocks of 256 per SM of an H200 (any GPU: enough to fill it)
+    kernel = mx.fast.cuda_kernel(
+        name="bench_stream_read", input_names=["a"], output_names=["out"], source=_STREAM
+    )
+    return lambda: kernel(inputs=[a], grid=(threads, 1, 1), threadgroup=(256, 1, 1),
+                          output_shapes=[(threads,)], output_dtypes=[mx.uint32])[0]  # fmt: skip
+
+
 def device_read_bandwidth(repeats: int) -> dict:
     """GB/s of a 1 GiB read: a streaming kernel of 16-byte loads, and a reduction (bf16 sum)."""
     a = mx.ones((1 << 30) // 4, dtype=mx.uint32)  # 1 GiB
     x = a.view(mx.bfloat16)
     mx.eval(a)
-    threads = 256 * 132 * 8  # 8 blocks of 256 per SM of an H200 (any GPU: enough to fill it)
-    kernel = mx.fast.cuda_kernel(
-        name="bench_stream_read", input_names=["a"], output_names=["out"], source=_STREAM
-    )
-
-    def stream():
-        return kernel(inputs=[a], grid=(threads, 1, 1), threadgroup=(256, 1, 1),
-                      output_shapes=[(threads,)], output_dtypes=[mx.uint32])[0]  # fmt: skip
-
+    stream = _stream_read(a)
     out = {}
     for name, fn in (("stream", stream), ("reduction", lambda: x.sum())):
         t = timed_ms(lambda fn=fn: mx.eval(fn()), repeats)
@@ -111,7 +113,9 @@ def _weights(k: int, n: int, bits: int, gs: int):
     return (w, scales, biases), xs
 
 
-def layer_costs(k: int, n: int, bits: int, gs: int, repeats: int, fns: dict, ms: list) -> dict:
+def layer_costs(
+    k: int, n: int, bits: int, gs: int, repeats: int, fns: dict, ms: list, eager: bool
+) -> dict:
     (w, scales, biases), xs = _weights(k, n, bits, gs)
     nbytes = w.nbytes + scales.nbytes + biases.nbytes
     kw = {"group_size": gs, "bits": bits}
@@ -119,10 +123,12 @@ def layer_costs(k: int, n: int, bits: int, gs: int, repeats: int, fns: dict, ms:
     for M in ms:
         for name, fn in fns.items():  # arms in turn for each M: a drift moves them alike
 
-            def run(fn=fn, M=M):
-                mx.eval([fn(x[:M], w, scales, biases, **kw) for x in xs])
+            def products(w, scales, biases, *xs, fn=fn, M=M):
+                return [fn(x[:M], w, scales, biases, **kw) for x in xs]
 
-            t = timed_ms(run, repeats)
+            # Compiled, as decode steps run: the kernel call is built once, at tracing.
+            run_products = products if eager else mx.compile(products)
+            t = timed_ms(lambda f=run_products: mx.eval(f(w, scales, biases, *xs)), repeats)
             us, lo, hi = (t[s] * 1e3 / len(xs) for s in ("median", "min", "max"))
             out[name][M] = {"us": us, "gb_s": nbytes / (us / 1e6) / 1e9, "min_us": lo, "max_us": hi}
         # Every arm of ours: all rows of the M-row product against the 8-row product's rows,
@@ -138,6 +144,9 @@ def layer_costs(k: int, n: int, bits: int, gs: int, repeats: int, fns: dict, ms:
 
 
 def launches_only(fns: dict, bits: int, gs: int) -> None:
+    a = mx.ones((1 << 30) // 4, dtype=mx.uint32)
+    mx.eval(_stream_read(a)())
+    print("stream read of 1 GiB: 1 launch", flush=True)
     for name, (k, n) in LAYERS.items():
         (w, scales, biases), xs = _weights(k, n, bits, gs)
         for arm, fn in fns.items():
@@ -157,6 +166,7 @@ def main() -> None:
                     help="WxD (our kernel: W warps, depth D) or mlx")  # fmt: skip
     ap.add_argument("--ms", type=int, nargs="+", default=list(range(1, 9)))
     ap.add_argument("--launches-only", action="store_true")
+    ap.add_argument("--eager", action="store_true", help="time products op by op, not compiled")
     args = ap.parse_args()
     if kernels.backend() != "cuda":
         raise SystemExit("needs the CUDA backend (the yardstick kernel is CUDA)")
@@ -169,6 +179,7 @@ def main() -> None:
         "device": _device(), "backend": kernels.backend(), "mlx": mx.__version__,
         "python": platform.python_version(), "bits": args.bits, "group_size": args.group_size,
         "calls_per_eval": CALLS, "repeats": args.repeats, "arms": args.arms,
+        "compiled": not args.eager,
     }  # fmt: skip
     t0 = time.time()
     res["device_read"] = device_read_bandwidth(args.repeats)
@@ -179,7 +190,7 @@ def main() -> None:
     res["layers"] = {}
     for name, (k, n) in LAYERS.items():
         res["layers"][name] = r = layer_costs(
-            k, n, args.bits, args.group_size, args.repeats, fns, args.ms
+            k, n, args.bits, args.group_size, args.repeats, fns, args.ms, args.eager
         )
         print(name, {M: [round(r[a][M]["us"], 1) for a in fns] for M in args.ms}, flush=True)
     res["seconds"] = time.time() - t0
@@ -201,10 +212,12 @@ def markdown(res: dict, args) -> str:
         f"# Quantized matmul, {res['bits']}-bit group {res['group_size']}, M = 1..8 rows",
         "",
         f"`python scripts/bench_qmm.py --repeats {args.repeats} --bits {args.bits} "
-        f"--group-size {args.group_size} --arms {' '.join(args.arms)}` on {res['device']} "
+        f"--group-size {args.group_size} --arms {' '.join(args.arms)}"
+        f"{' --eager' if args.eager else ''}` on {res['device']} "
         f"({res['backend']}), MLX {res['mlx']}; load {res['load_before'][0]:.2f} before, "
         f"{res['load_after'][0]:.2f} after. Median of {res['repeats']} evaluations of "
-        f"{res['calls_per_eval']} independent products (4 for the head), divided; min-max in "
+        f"{res['calls_per_eval']} independent products (4 for the head), "
+        f"{'op by op' if args.eager else 'one compiled call'}, divided; min-max in "
         f"the JSON. Arms `WxD`: our kernel, W warps, depth D. Device read bandwidth, same run, "
         f"1 GiB: {read['stream']['gb_s']:.0f} GB/s streaming kernel, "
         f"{read['reduction']['gb_s']:.0f} GB/s reduction; the % column is of {peak:.0f}. One "
