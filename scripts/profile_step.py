@@ -29,6 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mtpcli import synthetic
+from mtpcli.engine.sampling import positions
 from mtpcli.models import qwen3_5 as tm
 
 KINDS = (  # substring of a kernel's name -> what it is; the first match wins
@@ -60,7 +61,7 @@ def _setup(t: int, shape: str = "qwen3.8-27b"):
 
     def step(sync: bool = True):
         out = target.forward(tokens, cache, verify=t > 1)
-        y = mx.argmax(target.lm_head(out.hidden)[0], axis=-1)
+        y = mx.argmax(positions(target.lm_head(out.hidden)), axis=-1)
         (mx.eval if sync else mx.async_eval)(y)
         if t > 1:  # keep the cache's length fixed: back to the first of the t positions
             tm.rollback(cache, out.traces, 1, t)

@@ -89,8 +89,14 @@ def test_convolution_kernel_compiles_without_spills(tmp_path):
 @pytest.mark.parametrize("depth", sorted({qm.DEPTH, 2, 3}))
 def test_quantized_matmul_kernel_compiles_without_spills(tmp_path, xt, bits, group_size, depth):
     types = {"x": xt, "w": U32, "scales": xt, "biases": xt}
-    constants = {"XT": xt, "ST": xt, "BITS": bits, "GS": group_size, "WARPS": qm.WARPS,
-                 "DEPTH": depth}
+    constants = {
+        "XT": xt,
+        "ST": xt,
+        "BITS": bits,
+        "GS": group_size,
+        "WARPS": qm.WARPS,
+        "DEPTH": depth,
+    }
     code = _wrap(qm._CUDA_SOURCE, qm._HEADER_CUDA, types, {"y": xt}, constants)
     report = _compile(tmp_path, code)
     assert _no_spills(report), report

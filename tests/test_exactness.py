@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache
@@ -10,6 +12,7 @@ from mtpcli import kernels
 from mtpcli.engine import GenerationStats
 from mtpcli.engine.classic import generate_classic
 from mtpcli.engine.mtp import generate_mtp
+from mtpcli.engine.sampling import positions
 from mtpcli.models import qwen3_5 as target_mod
 
 PROMPTS = [
@@ -120,6 +123,31 @@ def test_rollback_restores_exact_state(load):
         for t in range(n_keep):
             target.forward(block[:, t : t + 1], cb)
         _assert_same_caches(ca, cb)
+
+
+def _primitives(tmp_path, *arrays) -> set[str]:
+    """The primitives of the graph that makes ``arrays`` (from MLX's DOT export)."""
+    path = tmp_path / "graph.dot"
+    mx.export_to_dot(str(path), *arrays)
+    return set(re.findall(r'label ="(\w+)", shape=rectangle', path.read_text()))
+
+
+def test_rollback_and_logits_are_views_not_copies(load, tmp_path):
+    """Integer indexing is a gather in MLX: on the H200 the rollback's restored states cost
+    20 us a layer through it. The rollback and the engine's logits picks must stay views."""
+    target = load().target
+    cache = target.make_cache()
+    target.prefill(mx.array([[3, 1, 4, 1, 5]]), cache)
+    out = target.forward(mx.array([[9, 2, 6]]), cache, verify=True)
+    mx.eval(out.hidden, out.traces)
+    target_mod.rollback(cache, out.traces, 2, 3)
+    restored = [c[1] for c in cache if isinstance(c, ArraysCache)]
+    assert restored and "Gather" not in _primitives(tmp_path, *restored)
+    logits = mx.random.normal((1, 3, 11))
+    mx.eval(logits)
+    assert mx.array_equal(positions(logits), logits[0]).item()
+    assert "Gather" not in _primitives(tmp_path, positions(logits), logits[0, -1])
+    assert "Gather" in _primitives(tmp_path, logits[0])  # the check can fail
 
 
 def test_row_policy_catches_an_op_that_is_not_row_invariant(load, monkeypatch):

@@ -17,7 +17,7 @@ from ..drafters import Drafter
 from ..errors import UsageError
 from ..models.qwen3_5 import Qwen35Target, cache_arrays, rollback
 from . import GenerationStats, MTPStats, prompt_array
-from .sampling import SamplingParams, accept, greedy, pick, probs
+from .sampling import SamplingParams, accept, greedy, pick, positions, probs
 
 
 def draft(
@@ -94,7 +94,7 @@ def generate_mtp(
             drafts, q = propose(drafter, target, ctx_tokens, ctx_hidden, dcache, k, sampling)
             t1 = time.perf_counter()
             out = target.forward(mx.array([[pending, *drafts]]), tcache, verify=True)
-            logits = target.lm_head(out.hidden, exact=True)[0]  # [k+1, V]
+            logits = positions(target.lm_head(out.hidden, exact=True))  # [k+1, V]
             n_acc, nxt = accept(logits, drafts, q, sampling)
             t2 = time.perf_counter()
             rollback(tcache, out.traces, n_acc + 1, k + 1)

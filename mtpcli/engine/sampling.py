@@ -32,6 +32,12 @@ class SamplingParams:
         return self.temp == 0
 
 
+def positions(logits: mx.array) -> mx.array:
+    """[1, T, V] -> [T, V], a view. A lone integer index (``logits[0]``) is a ``take`` in MLX,
+    which copies through a gather kernel (``logits[0, -1]``, a tuple, is a view)."""
+    return logits.reshape(logits.shape[1:])
+
+
 def probs(logits: mx.array, s: SamplingParams) -> mx.array:
     """The sampling distribution [..., V] (float32) after top-p / min-p / top-k and temperature.
 

@@ -373,7 +373,9 @@ def restore_conv(cache: ArraysCache, trace: GatedDeltaTrace, n_keep: int) -> Non
 
 
 def restore_state(cache: ArraysCache, trace: GatedDeltaTrace, n_keep: int) -> None:
-    cache[1] = trace.states[n_keep - 1]
+    # A view of the kept state: indexing with an integer would copy it through a gather
+    # kernel (3 MB a layer of the 27B shape, 20 us each on the H200).
+    cache[1] = trace.states[n_keep - 1 : n_keep].reshape(trace.states.shape[1:])
 
 
 def rollback(cache: list, traces: list, n_keep: int, block: int) -> None:
