@@ -86,8 +86,8 @@ def test_convolution_kernel_compiles_without_spills(tmp_path):
 @pytest.mark.parametrize("xt", [BF16, HALF])
 @pytest.mark.parametrize("bits", qm.BITS)
 @pytest.mark.parametrize("group_size", qm.GROUP_SIZES)
-@pytest.mark.parametrize("depth", sorted({qm.DEPTH, 2, 3}))
-def test_quantized_matmul_kernel_compiles_without_spills(tmp_path, xt, bits, group_size, depth):
+@pytest.mark.parametrize("stages", qm.STAGE_CHOICES)
+def test_quantized_matmul_kernel_compiles_without_spills(tmp_path, xt, bits, group_size, stages):
     types = {"x": xt, "w": U32, "scales": xt, "biases": xt}
     constants = {
         "XT": xt,
@@ -95,9 +95,9 @@ def test_quantized_matmul_kernel_compiles_without_spills(tmp_path, xt, bits, gro
         "BITS": bits,
         "GS": group_size,
         "WARPS": qm.WARPS,
-        "DEPTH": depth,
+        "STAGES": stages,
     }
-    code = _wrap(qm._CUDA_SOURCE, qm._HEADER_CUDA, types, {"y": xt}, constants)
+    code = _wrap(qm._CUDA_SOURCE, qm._HEADER_CUDA + qm._ASYNC_CUDA, types, {"y": xt}, constants)
     report = _compile(tmp_path, code)
     assert _no_spills(report), report
 

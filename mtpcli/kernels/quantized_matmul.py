@@ -26,7 +26,10 @@ from . import available, backend, built, changed, kernel_name, use_native
 
 MAX_ROWS = 8  # the mma's n dimension
 WARPS = 8  # split-K warps per 16-row tile, reduced in a fixed order
-DEPTH = 1  # stretches of weights a CUDA warp requests ahead (changes no bit of the result)
+# CUDA: 0 = each warp requests the next stretch of weights into registers; S >= 2 = a ring of
+# S stretches in shared memory filled by cp.async, S - 1 ahead. Changes no bit of the result.
+STAGES = 0
+STAGE_CHOICES = (0, 2, 3, 4, 5)  # 5 x 8 KiB of ring and the partial sums fit 48 KiB of static smem
 GROUP_SIZES = (32, 64, 128)
 BITS = (4, 8)
 
@@ -101,6 +104,17 @@ __device__ __forceinline__ void qm_mma(
 
 """
 
+_ASYNC_CUDA = """
+// 16 bytes from global to shared memory, asynchronously (sm_80+), and its group bookkeeping.
+__device__ __forceinline__ void qm_copy16(void* dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void qm_commit() { asm volatile("cp.async.commit_group;\\n" ::); }
+template <int N>
+__device__ __forceinline__ void qm_wait() { asm volatile("cp.async.wait_group %0;\\n" ::"n"(N)); }
+"""
+
 # A warp owns a 16-row tile and every WARPS-th 16-word stretch of K. Lane (g, t) = (lane / 4,
 # lane % 4) dequantizes 4 words of rows g and g + 8 and loads x row g at the same k: exactly the
 # A and B fragments of m16n8k16, up to a permutation of k inside each mma, which is the same for
@@ -128,58 +142,83 @@ _CUDA_SOURCE = """
     const uint32_t* w_hi = w + hi * words;
     const uint32_t* x_g = reinterpret_cast<const uint32_t*>(x) + (size_t)min(g, M - 1) * (K / 2);
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    // DEPTH stretches' weights and scales are requested ahead of the products that use them,
-    // so a warp keeps DEPTH + 1 stretches of loads in flight; the products still run in
-    // stretch order, so DEPTH does not change a bit of the result.
-    uint4 ql[DEPTH], qh[DEPTH];
-    ST sl[DEPTH], bl[DEPTH], sh[DEPTH], bh[DEPTH];
-    auto fetch = [&](int d, int st) {
-      const int word0 = st * 16 + t * 4;
-      const int grp = (word0 * VPW) / GS;
-      ql[d] = *reinterpret_cast<const uint4*>(w_lo + word0);
-      qh[d] = *reinterpret_cast<const uint4*>(w_hi + word0);
-      sl[d] = scales[lo * groups + grp];
-      bl[d] = biases[lo * groups + grp];
-      sh[d] = scales[hi * groups + grp];
-      bh[d] = biases[hi * groups + grp];
+    // One stretch's products, stretches in order: how the weights reached the registers
+    // (STAGES below) changes no bit of the result.
+    auto pair = [](ST v) {  // a scale or bias as a pair of x's type
+      const XT h = static_cast<XT>(static_cast<float>(v));
+      return XT2{h, h};
     };
-#pragma unroll
-    for (int d = 0; d < DEPTH; ++d) {
-      if (warp + d * WARPS < stretches) fetch(d, warp + d * WARPS);
-    }
-    for (int st0 = warp; st0 < stretches; st0 += DEPTH * WARPS) {
-#pragma unroll
-      for (int d = 0; d < DEPTH; ++d) {
-        const int st = st0 + d * WARPS;
-        if (st >= stretches) break;
-        const int word0 = st * 16 + t * 4;
-        const uint32_t wl[4] = {ql[d].x, ql[d].y, ql[d].z, ql[d].w};
-        const uint32_t wh[4] = {qh[d].x, qh[d].y, qh[d].z, qh[d].w};
-        const XT s_lo = static_cast<XT>(static_cast<float>(sl[d]));
-        const XT b_lo = static_cast<XT>(static_cast<float>(bl[d]));
-        const XT s_hi = static_cast<XT>(static_cast<float>(sh[d]));
-        const XT b_hi = static_cast<XT>(static_cast<float>(bh[d]));
-        const XT2 s2_lo = {s_lo, s_lo}, b2_lo = {b_lo, b_lo};
-        const XT2 s2_hi = {s_hi, s_hi}, b2_hi = {b_hi, b_hi};
-        if (st + DEPTH * WARPS < stretches) fetch(d, st + DEPTH * WARPS);
-        for (int j = 0; j < 4; ++j) {
-          uint32_t xv[XW];
-          if (g < M) {
-            qm_load<XW>(xv, x_g + (word0 + j) * XW);
-          } else {
-            for (int i = 0; i < XW; ++i) xv[i] = 0u;
-          }
-          for (int s = 0; s < STEPS; ++s) {
-            uint32_t a[4], b[2];
-            a[0] = qm_as_u32(__hfma2(qm_ints<BITS>(wl[j], 2 * s, XT{}), s2_lo, b2_lo));
-            a[1] = qm_as_u32(__hfma2(qm_ints<BITS>(wh[j], 2 * s, XT{}), s2_hi, b2_hi));
-            a[2] = qm_as_u32(__hfma2(qm_ints<BITS>(wl[j], 2 * s + 1, XT{}), s2_lo, b2_lo));
-            a[3] = qm_as_u32(__hfma2(qm_ints<BITS>(wh[j], 2 * s + 1, XT{}), s2_hi, b2_hi));
-            b[0] = __byte_perm(xv[s], xv[s + STEPS], 0x5410);
-            b[1] = __byte_perm(xv[s], xv[s + STEPS], 0x7632);
-            qm_mma(c, a, b, XT{});
-          }
+    auto products = [&](int st, uint4 ql, uint4 qh, XT2 s2_lo, XT2 b2_lo, XT2 s2_hi, XT2 b2_hi) {
+      const int word0 = st * 16 + t * 4;
+      const uint32_t wl[4] = {ql.x, ql.y, ql.z, ql.w};
+      const uint32_t wh[4] = {qh.x, qh.y, qh.z, qh.w};
+      for (int j = 0; j < 4; ++j) {
+        uint32_t xv[XW];
+        if (g < M) {
+          qm_load<XW>(xv, x_g + (word0 + j) * XW);
+        } else {
+          for (int i = 0; i < XW; ++i) xv[i] = 0u;
         }
+        for (int s = 0; s < STEPS; ++s) {
+          uint32_t a[4], b[2];
+          a[0] = qm_as_u32(__hfma2(qm_ints<BITS>(wl[j], 2 * s, XT{}), s2_lo, b2_lo));
+          a[1] = qm_as_u32(__hfma2(qm_ints<BITS>(wh[j], 2 * s, XT{}), s2_hi, b2_hi));
+          a[2] = qm_as_u32(__hfma2(qm_ints<BITS>(wl[j], 2 * s + 1, XT{}), s2_lo, b2_lo));
+          a[3] = qm_as_u32(__hfma2(qm_ints<BITS>(wh[j], 2 * s + 1, XT{}), s2_hi, b2_hi));
+          b[0] = __byte_perm(xv[s], xv[s + STEPS], 0x5410);
+          b[1] = __byte_perm(xv[s], xv[s + STEPS], 0x7632);
+          qm_mma(c, a, b, XT{});
+        }
+      }
+    };
+    // A stretch's scales and biases are requested one stretch ahead, into registers.
+    ST sl = scales[lo * groups], bl = biases[lo * groups], sh = sl, bh = bl;
+    auto fetch_scales = [&](int st) {
+      const int grp = ((st * 16 + t * 4) * VPW) / GS;
+      sl = scales[lo * groups + grp];
+      bl = biases[lo * groups + grp];
+      sh = scales[hi * groups + grp];
+      bh = biases[hi * groups + grp];
+    };
+    if constexpr (STAGES == 0) {
+      // The weights too are requested one stretch ahead, into registers.
+      uint4 ql = {0u, 0u, 0u, 0u}, qh = ql;
+      auto fetch = [&](int st) {
+        ql = *reinterpret_cast<const uint4*>(w_lo + st * 16 + t * 4);
+        qh = *reinterpret_cast<const uint4*>(w_hi + st * 16 + t * 4);
+        fetch_scales(st);
+      };
+      if (warp < stretches) fetch(warp);
+      for (int st = warp; st < stretches; st += WARPS) {
+        const uint4 cl = ql, ch = qh;
+        const XT2 s2_lo = pair(sl), b2_lo = pair(bl), s2_hi = pair(sh), b2_hi = pair(bh);
+        if (st + WARPS < stretches) fetch(st + WARPS);
+        products(st, cl, ch, s2_lo, b2_lo, s2_hi, b2_hi);
+      }
+    } else {
+      // The weights are copied STAGES - 1 stretches ahead into a ring in shared memory
+      // (cp.async: no registers held while in flight). A lane reads back only the 16 bytes
+      // it copied itself, so its own wait is the only synchronisation needed.
+      __shared__ uint4 ring[STAGES > 0 ? STAGES : 1][WARPS][2][32];
+      if (warp < stretches) fetch_scales(warp);
+      auto issue = [&](int st) {
+        const int slot = (st / WARPS) % STAGES;
+        qm_copy16(&ring[slot][warp][0][lane], w_lo + st * 16 + t * 4);
+        qm_copy16(&ring[slot][warp][1][lane], w_hi + st * 16 + t * 4);
+      };
+      for (int p = 0; p < STAGES - 1; ++p) {
+        if (warp + p * WARPS < stretches) issue(warp + p * WARPS);
+        qm_commit();  // empty groups too: the wait below counts groups
+      }
+      for (int st = warp; st < stretches; st += WARPS) {
+        if (st + (STAGES - 1) * WARPS < stretches) issue(st + (STAGES - 1) * WARPS);
+        qm_commit();
+        qm_wait<STAGES - 1>();  // this stretch's group has landed
+        const int slot = (st / WARPS) % STAGES;
+        const uint4 cl = ring[slot][warp][0][lane], ch = ring[slot][warp][1][lane];
+        const XT2 s2_lo = pair(sl), b2_lo = pair(bl), s2_hi = pair(sh), b2_hi = pair(bh);
+        if (st + WARPS < stretches) fetch_scales(st + WARPS);
+        products(st, cl, ch, s2_lo, b2_lo, s2_hi, b2_hi);
       }
     }
     __shared__ float part[WARPS * 32 * 4];
@@ -284,7 +323,7 @@ def _spec(source: str, header: str) -> dict:
 def _build_cuda():
     if not available("cuda"):
         return None
-    return mx.fast.cuda_kernel(**_spec(_CUDA_SOURCE, _HEADER_CUDA))
+    return mx.fast.cuda_kernel(**_spec(_CUDA_SOURCE, _HEADER_CUDA + _ASYNC_CUDA))
 
 
 def _build_metal():
@@ -298,10 +337,11 @@ def _kernel():
 
 
 def quantized_matmul_native(
-    x, w, scales, biases, *, group_size: int, bits: int, warps: int = WARPS, depth: int = DEPTH
+    x, w, scales, biases, *, group_size: int, bits: int, warps: int = WARPS, stages=None
 ):
     """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype; None where there is none.
-    ``warps`` and ``depth`` are for benchmarks (scripts/bench_qmm.py)."""
+    ``warps`` and ``stages`` (default ``STAGES``) are for benchmarks (scripts/bench_qmm.py)."""
+    stages = STAGES if stages is None else stages
     kernel = _kernel()
     if kernel is None:
         return None
@@ -314,7 +354,7 @@ def quantized_matmul_native(
             ("BITS", bits),
             ("GS", group_size),
             ("WARPS", warps),
-            ("DEPTH", depth),
+            ("STAGES", stages),
         ],  # fmt: skip
         grid=(32 * warps * ((N + 15) // 16), 1, 1),
         threadgroup=(32 * warps, 1, 1),
