@@ -1,6 +1,6 @@
 """The gated-delta kernel at each number of value rows per warp, side by side.
 
-    python scripts/bench_gdn_rows.py --rows 1 2 4 8 [--experiments KIND ...] --repeats 25 --out DIR
+    python scripts/bench_gdn_rows.py --rows 1 2 4 8 --repeats 25 --out DIR
     ncu --csv --metrics gpu__time_duration.sum -k regex:gated_delta \
         python scripts/bench_gdn_rows.py --launches-only
 
@@ -10,9 +10,6 @@ passes back to back per sample, every arm once per repeat in turn (a drifting ma
 all arms alike); ms per pass, median (min-max). Also whether each arm's final states equal the
 first arm's bitwise. ``--launches-only`` launches each arm three times on one layer, for a
 profiler's kernel durations (free of launch costs). Needs a GPU backend (CUDA here).
-
-``--experiments KIND ...`` adds experimental kernels (scripts/gdn_experiments.py) as arms,
-and reports each one's largest difference from the product and its chain parity on the device.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ import statistics
 import time
 from pathlib import Path
 
-import gdn_experiments as gx  # scripts/gdn_experiments.py
 import mlx.core as mx
 
 from mtpcli.kernels import gated_delta as gd
@@ -45,46 +41,22 @@ def _inputs(T: int, layers: int):
 A_LOG, DT_BIAS = mx.zeros((HV,)), mx.ones((HV,), dtype=mx.bfloat16)
 
 
-def check_experiment(kind: str, T: int = 5) -> dict:
-    """An experimental kernel against the product on the device: largest difference, and
-    chain parity (T steps in one launch bitwise equal to T one-step launches)."""
-    (q, k, v, a, b), states = _inputs(T, 1)
-    args = (q, k, v, a, b, A_LOG, DT_BIAS, states[0])
-    gd._ROWS = 4
-    want = gd.gated_delta_raw_native(*args, keep_states=True)
-    got = gx.run(kind, *args, keep_states=True)
-    diff = {n: mx.abs(x.astype(mx.float32) - y.astype(mx.float32)).max().item()
-            for n, x, y in zip(("y", "state", "states"), got, want, strict=True)}  # fmt: skip
-    s, ys, kept = states[0], [], []
-    for t in range(T):
-        sl = slice(t, t + 1)
-        y, s, _ = gx.run(kind, q[:, sl], k[:, sl], v[:, sl], a[:, sl], b[:, sl], A_LOG, DT_BIAS, s)
-        ys.append(y)
-        kept.append(s)
-    parity = (mx.array_equal(mx.concatenate(ys, 1), got[0]).item()
-              and mx.array_equal(s, got[1]).item()
-              and mx.array_equal(mx.stack(kept[:-1]), got[2]).item())  # fmt: skip
-    return {"max_abs_diff_vs_product": diff, "chain_parity": parity}
-
-
-def _arm(rows: int, keep: bool, fn=None):
+def _arm(rows: int, keep: bool):
     def every_layer(q, k, v, a, b, *states):
         gd._ROWS = rows  # read while tracing: each arm's trace keeps its own launch shape
-        run = fn or gd.gated_delta_raw_native
+        run = gd.gated_delta_raw_native
         outs = [run(q, k, v, a, b, A_LOG, DT_BIAS, s, keep_states=keep) for s in states]
         return [o[1] for o in outs], [x for o in outs for x in o if x is not None]
 
     return mx.compile(every_layer)
 
 
-def side_by_side(rows: list[int], ts: list[int], repeats: int, kinds: list[str]) -> dict:
+def side_by_side(rows: list[int], ts: list[int], repeats: int) -> dict:
     res: dict = {"ms_48_layers": {}, "final_states_equal_first_arm": {}}
     for T in ts:
         xs, states = _inputs(T, LAYERS)
         for keep in (False,) if T == 1 else (False, True):
             arms = {f"rows_{r}": _arm(r, keep) for r in rows}
-            for kind in kinds:
-                arms[kind] = _arm(4, keep, lambda *x, kind=kind, **kw: gx.run(kind, *x, **kw))
             finals = {}
             for name, fn in arms.items():  # trace, warm up
                 finals[name] = fn(*xs, *states)[0]
@@ -113,9 +85,8 @@ def side_by_side(rows: list[int], ts: list[int], repeats: int, kinds: list[str])
     return res
 
 
-def launches_only(rows: list[int], ts: list[int], kinds: list[str]) -> None:
+def launches_only(rows: list[int], ts: list[int]) -> None:
     arms = [(f"rows={r}", r, gd.gated_delta_raw_native) for r in rows]
-    arms += [(kind, 4, lambda *x, kind=kind, **kw: gx.run(kind, *x, **kw)) for kind in kinds]
     for T in ts:
         xs, states = _inputs(T, 1)
         for name, r, fn in arms:
@@ -132,22 +103,14 @@ def main() -> None:
     ap.add_argument("--ts", type=int, nargs="+", default=[1, 2, 3, 4, 8])
     ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--launches-only", action="store_true")
-    ap.add_argument(
-        "--experiments",
-        nargs="*",
-        default=[],
-        choices=gx.KINDS,
-        help="experimental kernels to add as arms (scripts/gdn_experiments.py)",
-    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if gd._kernel(False, raw=True) is None:
         raise SystemExit("needs a GPU backend with a native gated-delta kernel")
     if args.launches_only:
-        launches_only(args.rows, args.ts, args.experiments)
+        launches_only(args.rows, args.ts)
         return
-    res = side_by_side(args.rows, args.ts, args.repeats, args.experiments)
-    res["experiment_checks"] = {kind: check_experiment(kind) for kind in args.experiments}
+    res = side_by_side(args.rows, args.ts, args.repeats)
     res |= {"device": str(mx.device_info().get("device_name", "")), "mlx": mx.__version__,
             "repeats": args.repeats, "chain": CHAIN, "load_after": os.getloadavg()}  # fmt: skip
     print(json.dumps(res, indent=1))

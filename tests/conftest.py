@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
-# scripts/ holds experiment modules that tests check (gdn_experiments.py)
-sys.path.append(str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from mtpcli.fixtures import (  # noqa: E402
     build_drafter,

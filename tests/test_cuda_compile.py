@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 
-import gdn_experiments as gx  # scripts/gdn_experiments.py
 import pytest
 
 from mtpcli.kernels import conv_window as cw
@@ -120,17 +119,3 @@ def test_a_kernel_that_spills_is_caught(tmp_path):
     outputs = {"y": BF16, "state_out": F32, "states": F32}
     report = _compile(tmp_path, _wrap(gd._source(False, True, True), "", types, outputs, constants))
     assert not _no_spills(report)
-
-
-@pytest.mark.parametrize("kind", gx.KINDS)
-@pytest.mark.parametrize("keep", [False, True], ids=["", "keep"])
-def test_experimental_kernels_compile_without_spills(tmp_path, kind, keep):
-    """scripts/gdn_experiments.py, as it would run on the H200 (bf16, the 27B head shape)."""
-    lanes = 32 if kind == "one_reduction" else int(kind.rsplit("_", 1)[1])
-    source = (gx.one_reduction_source if lanes == 32 else gx.lane_group_source)(keep)
-    types = dict.fromkeys(gd._INPUTS[True], BF16) | {"state_in": F32, "A_log": F32}
-    constants = {"InT": BF16, "AT": F32, "DT": BF16, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48,
-                 "R": 4, "L": lanes}  # fmt: skip
-    outputs = {"y": BF16, "state_out": F32} | ({"states": F32} if keep else {})
-    report = _compile(tmp_path, _wrap(source, "", types, outputs, constants))
-    assert _no_spills(report), report
