@@ -172,7 +172,7 @@ _CUDA_SOURCE = """
       }
     };
     // A stretch's scales and biases are requested one stretch ahead, into registers.
-    ST sl = scales[lo * groups], bl = biases[lo * groups], sh = sl, bh = bl;
+    ST sl{}, bl{}, sh{}, bh{};
     auto fetch_scales = [&](int st) {
       const int grp = ((st * 16 + t * 4) * VPW) / GS;
       sl = scales[lo * groups + grp];
