@@ -101,6 +101,20 @@ def test_quantized_matmul_kernel_compiles_without_spills(tmp_path, xt, bits, gro
     assert _no_spills(report), report
 
 
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_quantized_matmul_fits_four_blocks_per_multiprocessor(tmp_path, bits):
+    """The product is latency-bound on the H200 (ncu: 43% of DRAM bandwidth, issue ~50%
+    busy), so occupancy matters: at most 64 registers a thread keep 4 blocks of 256 threads
+    on a multiprocessor (65536 registers). A variant that loaded a first scale before its
+    loop took 68 (3 blocks)."""
+    types = {"x": BF16, "w": U32, "scales": BF16, "biases": BF16}
+    constants = {"XT": BF16, "ST": BF16, "BITS": bits, "GS": 64, "WARPS": qm.WARPS,
+                 "STAGES": qm.STAGES}  # fmt: skip
+    code = _wrap(qm._CUDA_SOURCE, qm._HEADER_CUDA + qm._ASYNC_CUDA, types, {"y": BF16}, constants)
+    used = int(re.search(r"Used (\d+) registers", _compile(tmp_path, code)).group(1))
+    assert used * 32 * qm.WARPS * 4 <= 65536, used
+
+
 def test_a_source_error_is_caught(tmp_path):
     """The check is real: a source that does not compile fails it."""
     source = gd._source(False, True, True).replace("kv[r] = 0.0f;", "kv[r] = undefined_name;")
