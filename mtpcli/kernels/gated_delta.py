@@ -79,25 +79,24 @@ def _no_states(state: mx.array) -> mx.array:
 # Dk/32 state columns of each row; the dot products are butterfly reductions over the 32 lanes
 # in a fixed order, the R rows' reductions interleaved. A row's arithmetic depends on neither R
 # nor T. The q/k normalisation and the gates are computed once per warp for its R rows, and
-# step t + 1's inputs are loaded while step t runs. The Metal source mirrors the CUDA source
-# line by line. GATE_INPUTS, GATES and QK are spliced per variant: the plain one reads
-# normalised q/k, the decay g and beta; the "raw" one reads the layer's raw q/k, a and b and
-# computes normalize_qk, compute_g and sigmoid(b) itself (saving seven launches per layer per
-# step).
-_CUDA_SOURCE = """
+# step t + 1's inputs are loaded while step t runs. Both backends' sources are this one text
+# with their few differences filled in (``_BACKENDS``), so the Metal kernel mirrors the CUDA
+# kernel line by line by construction. GATE_INPUTS, GATES and QK are spliced per variant: the
+# plain one reads normalised q/k, the decay g and beta; the "raw" one reads the layer's raw q/k,
+# a and b and computes normalize_qk, compute_g and sigmoid(b) itself (saving seven launches per
+# layer per step).
+_TEMPLATE = """
     constexpr int NPT = Dk / 32;
     const int B = k_shape[0];
     const int T = k_shape[1];
-    const int lane = threadIdx.x;
-    const int dv = (blockIdx.y * blockDim.y + threadIdx.y) * R;
-    const int n = blockIdx.z;
+    THREAD_INDICES
     const int b = n / Hv;
     const int hv = n % Hv;
     const int hk = hv / (Hv / Hk);
-    const InT* q_ = q + b * q_strides[0] + hk * q_strides[2] + lane * NPT * q_strides[3];
-    const InT* k_ = k + b * k_strides[0] + hk * k_strides[2] + lane * NPT * k_strides[3];
-    const InT* v_ = v + b * v_strides[0] + hv * v_strides[2] + dv * v_strides[3];
-    InT* y_ = y + (size_t)b * T * Hv * Dv + hv * Dv + dv;
+    DEVICE const InT* q_ = q + b * q_strides[0] + hk * q_strides[2] + lane * NPT * q_strides[3];
+    DEVICE const InT* k_ = k + b * k_strides[0] + hk * k_strides[2] + lane * NPT * k_strides[3];
+    DEVICE const InT* v_ = v + b * v_strides[0] + hv * v_strides[2] + dv * v_strides[3];
+    DEVICE InT* y_ = y + (size_t)b * T * Hv * Dv + hv * Dv + dv;
     GATE_INPUTS
     #define MTP_LOAD(t) \\
       for (int i = 0; i < NPT; ++i) { \\
@@ -110,7 +109,7 @@ _CUDA_SOURCE = """
       xb = static_cast<float>(b_[(t) * bs]);
     float s[R][NPT];
     for (int r = 0; r < R; ++r) {
-      const float* s_in = state_in + ((size_t)n * Dv + dv + r) * Dk + lane * NPT;
+      DEVICE const float* s_in = state_in + ((size_t)n * Dv + dv + r) * Dk + lane * NPT;
       for (int i = 0; i < NPT; ++i) s[r][i] = s_in[i];
     }
     float xq[NPT], xk[NPT], xv[R], xg, xb;
@@ -136,8 +135,8 @@ _CUDA_SOURCE = """
           kv[r] = kv[r] + s[r][i] * kn[i];
         }
       }
-      for (int off = 16; off > 0; off >>= 1) {
-        for (int r = 0; r < R; ++r) kv[r] = kv[r] + __shfl_xor_sync(0xffffffffu, kv[r], off);
+      for (LANE_OFFSET off = 16; off > 0; off >>= 1) {
+        for (int r = 0; r < R; ++r) kv[r] = kv[r] + XOR_SHUFFLE(kv[r], off);
       }
       for (int r = 0; r < R; ++r) {
         const float delta = (vt[r] - kv[r]) * bt;
@@ -147,8 +146,8 @@ _CUDA_SOURCE = """
           o[r] = o[r] + s[r][i] * qn[i];
         }
       }
-      for (int off = 16; off > 0; off >>= 1) {
-        for (int r = 0; r < R; ++r) o[r] = o[r] + __shfl_xor_sync(0xffffffffu, o[r], off);
+      for (LANE_OFFSET off = 16; off > 0; off >>= 1) {
+        for (int r = 0; r < R; ++r) o[r] = o[r] + XOR_SHUFFLE(o[r], off);
       }
       if (lane == 0) {
         for (int r = 0; r < R; ++r) y_[t * Hv * Dv + r] = static_cast<InT>(o[r]);
@@ -156,87 +155,42 @@ _CUDA_SOURCE = """
       KEEP_STATES
     }
     for (int r = 0; r < R; ++r) {
-      float* s_out = state_out + ((size_t)n * Dv + dv + r) * Dk + lane * NPT;
+      DEVICE float* s_out = state_out + ((size_t)n * Dv + dv + r) * Dk + lane * NPT;
       for (int i = 0; i < NPT; ++i) s_out[i] = s[r][i];
     }
 """
 
-_METAL_SOURCE = """
-    constexpr int NPT = Dk / 32;
-    const int B = k_shape[0];
-    const int T = k_shape[1];
-    const int lane = thread_position_in_threadgroup.x;
-    const int dv = thread_position_in_grid.y * R;
-    const int n = thread_position_in_grid.z;
-    const int b = n / Hv;
-    const int hv = n % Hv;
-    const int hk = hv / (Hv / Hk);
-    device const InT* q_ = q + b * q_strides[0] + hk * q_strides[2] + lane * NPT * q_strides[3];
-    device const InT* k_ = k + b * k_strides[0] + hk * k_strides[2] + lane * NPT * k_strides[3];
-    device const InT* v_ = v + b * v_strides[0] + hv * v_strides[2] + dv * v_strides[3];
-    device InT* y_ = y + (size_t)b * T * Hv * Dv + hv * Dv + dv;
-    GATE_INPUTS
-    #define MTP_LOAD(t) \\
-      for (int i = 0; i < NPT; ++i) { \\
-        xq[i] = static_cast<float>(q_[(t) * q_strides[1] + i * q_strides[3]]); \\
-        xk[i] = static_cast<float>(k_[(t) * k_strides[1] + i * k_strides[3]]); \\
-      } \\
-      for (int r = 0; r < R; ++r) \\
-        xv[r] = static_cast<float>(v_[(t) * v_strides[1] + r * v_strides[3]]); \\
-      xg = static_cast<float>(g_[(t) * gs]); \\
-      xb = static_cast<float>(b_[(t) * bs]);
-    float s[R][NPT];
-    for (int r = 0; r < R; ++r) {
-      device const float* s_in = state_in + ((size_t)n * Dv + dv + r) * Dk + lane * NPT;
-      for (int i = 0; i < NPT; ++i) s[r][i] = s_in[i];
-    }
-    float xq[NPT], xk[NPT], xv[R], xg, xb;
-    MTP_LOAD(0)
-    for (int t = 0; t < T; ++t) {
-      float qn[NPT], kn[NPT], vt[R];
-      for (int i = 0; i < NPT; ++i) {
-        qn[i] = xq[i];
-        kn[i] = xk[i];
-      }
-      for (int r = 0; r < R; ++r) vt[r] = xv[r];
-      const float gx = xg, bx = xb;
-      if (t + 1 < T) {
-        MTP_LOAD(t + 1)
-      }
-      GATES
-      QK
-      float kv[R], o[R];
-      for (int r = 0; r < R; ++r) {
-        kv[r] = 0.0f;
-        for (int i = 0; i < NPT; ++i) {
-          s[r][i] = s[r][i] * gt;
-          kv[r] = kv[r] + s[r][i] * kn[i];
-        }
-      }
-      for (ushort off = 16; off > 0; off >>= 1) {
-        for (int r = 0; r < R; ++r) kv[r] = kv[r] + simd_shuffle_xor(kv[r], off);
-      }
-      for (int r = 0; r < R; ++r) {
-        const float delta = (vt[r] - kv[r]) * bt;
-        o[r] = 0.0f;
-        for (int i = 0; i < NPT; ++i) {
-          s[r][i] = s[r][i] + kn[i] * delta;
-          o[r] = o[r] + s[r][i] * qn[i];
-        }
-      }
-      for (ushort off = 16; off > 0; off >>= 1) {
-        for (int r = 0; r < R; ++r) o[r] = o[r] + simd_shuffle_xor(o[r], off);
-      }
-      if (lane == 0) {
-        for (int r = 0; r < R; ++r) y_[t * Hv * Dv + r] = static_cast<InT>(o[r]);
-      }
-      KEEP_STATES
-    }
-    for (int r = 0; r < R; ++r) {
-      device float* s_out = state_out + ((size_t)n * Dv + dv + r) * Dk + lane * NPT;
-      for (int i = 0; i < NPT; ++i) s_out[i] = s[r][i];
-    }
-"""
+# What differs between the backends' sources (everything else is one text, so the Metal kernel
+# mirrors the CUDA kernel line by line by construction).
+_BACKENDS = {
+    False: {  # CUDA
+        "THREAD_INDICES": "const int lane = threadIdx.x;\n"
+        "    const int dv = (blockIdx.y * blockDim.y + threadIdx.y) * R;\n"
+        "    const int n = blockIdx.z;",
+        "DEVICE ": "",
+        "LANE_OFFSET": "int",
+        "XOR_SHUFFLE(": "__shfl_xor_sync(0xffffffffu, ",
+    },
+    True: {  # Metal
+        "THREAD_INDICES": "const int lane = thread_position_in_threadgroup.x;\n"
+        "    const int dv = thread_position_in_grid.y * R;\n"
+        "    const int n = thread_position_in_grid.z;",
+        "DEVICE ": "device ",
+        "LANE_OFFSET": "ushort",
+        "XOR_SHUFFLE(": "simd_shuffle_xor(",
+    },
+}
+
+
+def _backend_source(metal: bool) -> str:
+    source = _TEMPLATE
+    for token, text in _BACKENDS[metal].items():
+        source = source.replace(token, text)
+    return source
+
+
+_CUDA_SOURCE = _backend_source(False)
+_METAL_SOURCE = _backend_source(True)
 
 # The splices, per backend: {name: (cuda, metal)}. Only the keep-states variant has the
 # ``states`` output [T - 1, B, Hv, Dv, Dk]: the store after each step but the last (which is

@@ -337,7 +337,15 @@ def _kernel():
 
 
 def quantized_matmul_native(
-    x, w, scales, biases, *, group_size: int, bits: int, warps: int = WARPS, stages=None
+    x,
+    w,
+    scales,
+    biases,
+    *,
+    group_size: int,
+    bits: int,
+    warps: int = WARPS,
+    stages: int | None = None,
 ):
     """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype; None where there is none.
     ``warps`` and ``stages`` (default ``STAGES``) are for benchmarks (scripts/bench_qmm.py)."""
