@@ -1,7 +1,7 @@
 """Quantized matmul at M = 1..8 rows: our kernel against MLX's, per layer of the 27B shape.
 
     python scripts/bench_qmm.py --repeats 10 --out docs/benchmark_results
-    python scripts/bench_qmm.py --arms 8s0 8s3 4s4 mlx --ms 1 3 8   # our kernel: warps, stages
+    python scripts/bench_qmm.py --arms 8 4 mlx --ms 1 3 8   # our kernel with 8 and 4 warps
     ncu --set full -k regex:mtp_qmm python scripts/bench_qmm.py --launches-only
 
 For each layer (random affine-quantized weights, bf16 activations) and M, the median time of
@@ -9,9 +9,8 @@ one product (``CALLS`` independent products per evaluation, divided), the weight
 second, and whether every row of the M-row product is bitwise the one-row product. The device's
 own read bandwidth is measured in the same run, as the yardstick: a streaming read kernel
 (16-byte loads, enough blocks to fill the device) and, as before, a large reduction; the
-faster of the two is the yardstick. An arm ``WsS`` is our kernel with W split-K warps per tile
-and S stages of its weight ring (0: registers, one stretch ahead); ``mlx`` is
-``mx.quantized_matmul``.
+faster of the two is the yardstick. An arm ``W`` is our kernel with W split-K warps per tile;
+``mlx`` is ``mx.quantized_matmul``.
 ``--launches-only`` runs each arm once per layer at M = 1 and 3, for a profiler.
 """
 
@@ -80,14 +79,13 @@ def device_read_bandwidth(repeats: int) -> dict:
 
 
 def arms(names: list[str]) -> dict:
-    """``WsS`` -> our kernel with W warps and S ring stages; ``mlx`` -> MLX's product."""
+    """``W`` -> our kernel with W split-K warps; ``mlx`` -> MLX's product."""
     out = {}
     for name in names:
         if name == "mlx":
             out[name] = qm.quantized_matmul_ops
             continue
-        warps, stages = (int(v) for v in name.split("s"))
-        out[name] = partial(qm.quantized_matmul_native, warps=warps, stages=stages)
+        out[name] = partial(qm.quantized_matmul_native, warps=int(name))
     return out
 
 
@@ -163,8 +161,12 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--name", default=None)
-    ap.add_argument("--arms", nargs="+", default=[f"{qm.WARPS}s{qm.STAGES}", "mlx"],
-                    help="WsS (our kernel: W warps, S ring stages) or mlx")  # fmt: skip
+    ap.add_argument(
+        "--arms",
+        nargs="+",
+        default=[str(qm.WARPS), "mlx"],
+        help="W (our kernel with W warps) or mlx",
+    )
     ap.add_argument("--ms", type=int, nargs="+", default=list(range(1, 9)))
     ap.add_argument("--launches-only", action="store_true")
     ap.add_argument("--eager", action="store_true", help="time products op by op, not compiled")
@@ -219,7 +221,7 @@ def markdown(res: dict, args) -> str:
         f"{res['load_after'][0]:.2f} after. Median of {res['repeats']} evaluations of "
         f"{res['calls_per_eval']} independent products (4 for the head), "
         f"{'op by op' if args.eager else 'one compiled call'}, divided; min-max in "
-        f"the JSON. Arms `WsS`: our kernel, W warps, S ring stages. Device read bandwidth, "
+        f"the JSON. Arms `W`: our kernel, W warps. Device read bandwidth, "
         f"same run, "
         f"1 GiB: {read['stream']['gb_s']:.0f} GB/s streaming kernel, "
         f"{read['reduction']['gb_s']:.0f} GB/s reduction; the % column is of {peak:.0f}. One "

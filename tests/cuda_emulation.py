@@ -206,25 +206,6 @@ _MMA = re.compile(
 )
 
 
-# cp.async as the hardware defines it for one thread: copies are queued in the open group,
-# commit closes it, wait<N> completes all but the newest N committed groups. A kernel that
-# reads a copy's destination before waiting for it reads stale data here, as it may on a GPU.
-EMULATED_ASYNC = """
-struct QmCopy { void* dst; const void* src; };
-thread_local std::deque<std::vector<QmCopy>> qm_groups;
-thread_local std::vector<QmCopy> qm_open;
-static inline void qm_copy16(void* dst, const void* src) { qm_open.push_back({dst, src}); }
-static inline void qm_commit() { qm_groups.push_back(std::move(qm_open)); qm_open.clear(); }
-template <int N>
-static inline void qm_wait() {
-  while (static_cast<int>(qm_groups.size()) > N) {
-    for (const QmCopy& c : qm_groups.front()) std::memcpy(c.dst, c.src, 16);
-    qm_groups.pop_front();
-  }
-}
-"""
-
-
 def emulated_mma(header: str) -> str:
     """``header`` with each inline-PTX m16n8k16 mma replaced by the emulated one."""
     kinds = {"bf16": "__nv_bfloat16", "f16": "__half"}

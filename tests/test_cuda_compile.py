@@ -85,8 +85,7 @@ def test_convolution_kernel_compiles_without_spills(tmp_path):
 @pytest.mark.parametrize("xt", [BF16, HALF])
 @pytest.mark.parametrize("bits", qm.BITS)
 @pytest.mark.parametrize("group_size", qm.GROUP_SIZES)
-@pytest.mark.parametrize("stages", qm.STAGE_CHOICES)
-def test_quantized_matmul_kernel_compiles_without_spills(tmp_path, xt, bits, group_size, stages):
+def test_quantized_matmul_kernel_compiles_without_spills(tmp_path, xt, bits, group_size):
     types = {"x": xt, "w": U32, "scales": xt, "biases": xt}
     constants = {
         "XT": xt,
@@ -94,9 +93,8 @@ def test_quantized_matmul_kernel_compiles_without_spills(tmp_path, xt, bits, gro
         "BITS": bits,
         "GS": group_size,
         "WARPS": qm.WARPS,
-        "STAGES": stages,
     }
-    code = _wrap(qm._CUDA_SOURCE, qm._HEADER_CUDA + qm._ASYNC_CUDA, types, {"y": xt}, constants)
+    code = _wrap(qm._CUDA_SOURCE, qm._HEADER_CUDA, types, {"y": xt}, constants)
     report = _compile(tmp_path, code)
     assert _no_spills(report), report
 
@@ -108,9 +106,8 @@ def test_quantized_matmul_fits_four_blocks_per_multiprocessor(tmp_path, bits):
     on a multiprocessor (65536 registers). A variant that loaded a first scale before its
     loop took 68 (3 blocks)."""
     types = {"x": BF16, "w": U32, "scales": BF16, "biases": BF16}
-    constants = {"XT": BF16, "ST": BF16, "BITS": bits, "GS": 64, "WARPS": qm.WARPS,
-                 "STAGES": qm.STAGES}  # fmt: skip
-    code = _wrap(qm._CUDA_SOURCE, qm._HEADER_CUDA + qm._ASYNC_CUDA, types, {"y": BF16}, constants)
+    constants = {"XT": BF16, "ST": BF16, "BITS": bits, "GS": 64, "WARPS": qm.WARPS}
+    code = _wrap(qm._CUDA_SOURCE, qm._HEADER_CUDA, types, {"y": BF16}, constants)
     used = int(re.search(r"Used (\d+) registers", _compile(tmp_path, code)).group(1))
     assert used * 32 * qm.WARPS * 4 <= 65536, used
 

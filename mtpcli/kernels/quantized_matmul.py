@@ -26,10 +26,6 @@ from . import available, backend, built, changed, kernel_name, use_native
 
 MAX_ROWS = 8  # the mma's n dimension
 WARPS = 8  # split-K warps per 16-row tile, reduced in a fixed order
-# CUDA: 0 = each warp requests the next stretch of weights into registers; S >= 2 = a ring of
-# S stretches in shared memory filled by cp.async, S - 1 ahead. Changes no bit of the result.
-STAGES = 0
-STAGE_CHOICES = (0, 2, 3, 4, 5)  # 5 x 8 KiB of ring and the partial sums fit 48 KiB of static smem
 GROUP_SIZES = (32, 64, 128)
 BITS = (4, 8)
 
@@ -61,17 +57,29 @@ __device__ __forceinline__ void qm_load(uint32_t* dst, const uint32_t* src) {
   }
 }
 
+// (w & mask) | bits as one LOP3: with both constants immediate, ptxas spends two (measured in
+// the H200's SASS: 64 LOP3 a stretch where 32 do).
+__device__ __forceinline__ uint32_t qm_and_or(uint32_t w, uint32_t mask, uint32_t bits) {
+#ifdef __CUDA_ARCH__
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(mask), "r"(bits));
+  return r;
+#else
+  return (w & mask) | bits;
+#endif
+}
+
 // Two quantized integers of a word as a pair of the activation type: values i and i + VPW/2.
 template <int BITS>
 __device__ __forceinline__ __nv_bfloat162 qm_ints(uint32_t w, int i, __nv_bfloat16) {
   constexpr uint32_t MASK = ((1u << BITS) - 1u) * 0x00010001u;
-  const uint32_t u = (w >> (BITS * i)) & MASK;
   if constexpr (BITS == 4) {  // 128 + q is exact in bfloat16 for q < 128
-    const uint32_t m = u | 0x43004300u;
+    const uint32_t m = qm_and_or(w >> (BITS * i), MASK, 0x43004300u);
     const uint32_t c = 0x43004300u;
     return __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&m),
                    *reinterpret_cast<const __nv_bfloat162*>(&c));
   } else {
+    const uint32_t u = (w >> (BITS * i)) & MASK;
     return __floats2bfloat162_rn(static_cast<float>(u & 0xFFFFu), static_cast<float>(u >> 16));
   }
 }
@@ -79,7 +87,7 @@ __device__ __forceinline__ __nv_bfloat162 qm_ints(uint32_t w, int i, __nv_bfloat
 template <int BITS>
 __device__ __forceinline__ __half2 qm_ints(uint32_t w, int i, __half) {
   constexpr uint32_t MASK = ((1u << BITS) - 1u) * 0x00010001u;
-  const uint32_t m = ((w >> (BITS * i)) & MASK) | 0x64006400u;  // 1024 + q, exact for q < 1024
+  const uint32_t m = qm_and_or(w >> (BITS * i), MASK, 0x64006400u);  // 1024 + q, exact
   const uint32_t c = 0x64006400u;
   return __hsub2(*reinterpret_cast<const __half2*>(&m), *reinterpret_cast<const __half2*>(&c));
 }
@@ -102,17 +110,6 @@ __device__ __forceinline__ void qm_mma(
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-"""
-
-_ASYNC_CUDA = """
-// 16 bytes from global to shared memory, asynchronously (sm_80+), and its group bookkeeping.
-__device__ __forceinline__ void qm_copy16(void* dst, const void* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" ::"r"(d), "l"(src));
-}
-__device__ __forceinline__ void qm_commit() { asm volatile("cp.async.commit_group;\\n" ::); }
-template <int N>
-__device__ __forceinline__ void qm_wait() { asm volatile("cp.async.wait_group %0;\\n" ::"n"(N)); }
 """
 
 # A warp owns a 16-row tile and every WARPS-th 16-word stretch of K. Lane (g, t) = (lane / 4,
@@ -140,10 +137,12 @@ _CUDA_SOURCE = """
     const size_t lo = min(r_lo, N - 1), hi = min(r_hi, N - 1);  // rows past N: any row, unused
     const uint32_t* w_lo = w + lo * words;
     const uint32_t* w_hi = w + hi * words;
+    const ST* s_lo = scales + lo * groups;
+    const ST* b_lo = biases + lo * groups;
+    const ST* s_hi = scales + hi * groups;
+    const ST* b_hi = biases + hi * groups;
     const uint32_t* x_g = reinterpret_cast<const uint32_t*>(x) + (size_t)min(g, M - 1) * (K / 2);
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    // One stretch's products, stretches in order: how the weights reached the registers
-    // (STAGES below) changes no bit of the result.
     auto pair = [](ST v) {  // a scale or bias as a pair of x's type
       const XT h = static_cast<XT>(static_cast<float>(v));
       return XT2{h, h};
@@ -171,55 +170,24 @@ _CUDA_SOURCE = """
         }
       }
     };
-    // A stretch's scales and biases are requested one stretch ahead, into registers.
+    // A stretch's weights, scales and biases are requested one stretch ahead, into registers.
+    uint4 ql = {0u, 0u, 0u, 0u}, qh = ql;
     ST sl{}, bl{}, sh{}, bh{};
-    auto fetch_scales = [&](int st) {
+    auto fetch = [&](int st) {
+      ql = *reinterpret_cast<const uint4*>(w_lo + st * 16 + t * 4);
+      qh = *reinterpret_cast<const uint4*>(w_hi + st * 16 + t * 4);
       const int grp = ((st * 16 + t * 4) * VPW) / GS;
-      sl = scales[lo * groups + grp];
-      bl = biases[lo * groups + grp];
-      sh = scales[hi * groups + grp];
-      bh = biases[hi * groups + grp];
+      sl = s_lo[grp];
+      bl = b_lo[grp];
+      sh = s_hi[grp];
+      bh = b_hi[grp];
     };
-    if constexpr (STAGES == 0) {
-      // The weights too are requested one stretch ahead, into registers.
-      uint4 ql = {0u, 0u, 0u, 0u}, qh = ql;
-      auto fetch = [&](int st) {
-        ql = *reinterpret_cast<const uint4*>(w_lo + st * 16 + t * 4);
-        qh = *reinterpret_cast<const uint4*>(w_hi + st * 16 + t * 4);
-        fetch_scales(st);
-      };
-      if (warp < stretches) fetch(warp);
-      for (int st = warp; st < stretches; st += WARPS) {
-        const uint4 cl = ql, ch = qh;
-        const XT2 s2_lo = pair(sl), b2_lo = pair(bl), s2_hi = pair(sh), b2_hi = pair(bh);
-        if (st + WARPS < stretches) fetch(st + WARPS);
-        products(st, cl, ch, s2_lo, b2_lo, s2_hi, b2_hi);
-      }
-    } else {
-      // The weights are copied STAGES - 1 stretches ahead into a ring in shared memory
-      // (cp.async: no registers held while in flight). A lane reads back only the 16 bytes
-      // it copied itself, so its own wait is the only synchronisation needed.
-      __shared__ uint4 ring[STAGES > 0 ? STAGES : 1][WARPS][2][32];
-      if (warp < stretches) fetch_scales(warp);
-      auto issue = [&](int st) {
-        const int slot = (st / WARPS) % STAGES;
-        qm_copy16(&ring[slot][warp][0][lane], w_lo + st * 16 + t * 4);
-        qm_copy16(&ring[slot][warp][1][lane], w_hi + st * 16 + t * 4);
-      };
-      for (int p = 0; p < STAGES - 1; ++p) {
-        if (warp + p * WARPS < stretches) issue(warp + p * WARPS);
-        qm_commit();  // empty groups too: the wait below counts groups
-      }
-      for (int st = warp; st < stretches; st += WARPS) {
-        if (st + (STAGES - 1) * WARPS < stretches) issue(st + (STAGES - 1) * WARPS);
-        qm_commit();
-        qm_wait<STAGES - 1>();  // this stretch's group has landed
-        const int slot = (st / WARPS) % STAGES;
-        const uint4 cl = ring[slot][warp][0][lane], ch = ring[slot][warp][1][lane];
-        const XT2 s2_lo = pair(sl), b2_lo = pair(bl), s2_hi = pair(sh), b2_hi = pair(bh);
-        if (st + WARPS < stretches) fetch_scales(st + WARPS);
-        products(st, cl, ch, s2_lo, b2_lo, s2_hi, b2_hi);
-      }
+    if (warp < stretches) fetch(warp);
+    for (int st = warp; st < stretches; st += WARPS) {
+      const uint4 cl = ql, ch = qh;
+      const XT2 s2_lo = pair(sl), b2_lo = pair(bl), s2_hi = pair(sh), b2_hi = pair(bh);
+      if (st + WARPS < stretches) fetch(st + WARPS);
+      products(st, cl, ch, s2_lo, b2_lo, s2_hi, b2_hi);
     }
     __shared__ float part[WARPS * 32 * 4];
     for (int i = 0; i < 4; ++i) part[(warp * 32 + lane) * 4 + i] = c[i];
@@ -323,7 +291,7 @@ def _spec(source: str, header: str) -> dict:
 def _build_cuda():
     if not available("cuda"):
         return None
-    return mx.fast.cuda_kernel(**_spec(_CUDA_SOURCE, _HEADER_CUDA + _ASYNC_CUDA))
+    return mx.fast.cuda_kernel(**_spec(_CUDA_SOURCE, _HEADER_CUDA))
 
 
 def _build_metal():
@@ -345,11 +313,9 @@ def quantized_matmul_native(
     group_size: int,
     bits: int,
     warps: int = WARPS,
-    stages: int | None = None,
 ):
     """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype; None where there is none.
-    ``warps`` and ``stages`` (default ``STAGES``) are for benchmarks (scripts/bench_qmm.py)."""
-    stages = STAGES if stages is None else stages
+    ``warps`` is for benchmarks (scripts/bench_qmm.py)."""
     kernel = _kernel()
     if kernel is None:
         return None
@@ -362,7 +328,6 @@ def quantized_matmul_native(
             ("BITS", bits),
             ("GS", group_size),
             ("WARPS", warps),
-            ("STAGES", stages),
         ],  # fmt: skip
         grid=(32 * warps * ((N + 15) // 16), 1, 1),
         threadgroup=(32 * warps, 1, 1),
