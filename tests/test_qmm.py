@@ -31,14 +31,15 @@ def test_install_routes_every_quantized_layer_and_stock_layers_restores(ckpts):
     from mtpcli.loading import load_pair
 
     path, dpath = ckpts.target(bits=4), ckpts.drafter(bits=4, predictable=None, seed=5)
-    default = load_pair(str(path), str(dpath))  # --qmm auto on the CPU: mlx's own layers stay
-    stock = [type(m) for _, m in default.target.model.named_modules()]
-    assert nn.QuantizedLinear in stock and qm.KernelQuantizedLinear not in stock
-    kernels.set_qmm("ours")
+    kernels.set_qmm("mlx")  # mlx's own layers stay (what auto picks off CUDA)
     try:
+        default = load_pair(str(path), str(dpath))
+        kernels.set_qmm("ours")
         loaded = load_pair(str(path), str(dpath))
     finally:
         kernels.set_qmm(None)
+    stock = [type(m) for _, m in default.target.model.named_modules()]
+    assert nn.QuantizedLinear in stock and qm.KernelQuantizedLinear not in stock
     target = loaded.target
     quantized = [m for _, m in target.model.named_modules() if isinstance(m, nn.QuantizedLinear)]
     in_drafter = [m for _, m in loaded.drafter.module.named_modules()
@@ -178,8 +179,8 @@ def test_fused_projections_equal_the_separate_ones_and_share_their_weights(ckpts
 
     path = Path(ckpts.target(bits=4))
     config = load_config(path)
-    plain = load_target(path, config)
-    assert not plain.fused_in  # on the CPU nothing is fused by default (mlx-lm's products)
+    plain = Qwen35Target(load_target(path, config).model, config, fuse=False)
+    assert not plain.fused_in
     fused = Qwen35Target(load_target(path, config).model, config, fuse=True)
     n_linear = sum(layer.is_linear for layer in fused.layers)
     assert len(fused.fused_in) == n_linear and len(fused.fused_mlp) == len(fused.layers)
