@@ -104,6 +104,28 @@ def _assert_chain_parity(x: dict, emulate) -> None:
     assert np.array_equal(np.stack(kept[:-1]), states)
 
 
+@pytest.mark.parametrize("metal", [False, True], ids=["cuda", "metal"])
+@pytest.mark.parametrize("layout", ["rolled_back", "padded", "broadcast"])
+def test_emulated_kernel_reads_the_state_through_its_strides(metal, layout):
+    """After a rollback the state is a view into the last verify's per-step states; any view
+    (rows further apart than Dk, a broadcast) reads as the dense array it stands for."""
+    x = _raw_inputs(3, seed=21)
+    dense = x["state_in"]
+    if layout == "rolled_back":
+        states = np.stack([dense * 0.5, dense, dense * 2.0])  # [T - 1 + 1, B, Hv, Dv, Dk]
+        view = states[1:2].reshape(dense.shape)
+    elif layout == "padded":  # a kernel that assumed dense rows would read the padding
+        view = np.concatenate([dense, -dense], axis=-1)[..., :DK]
+    else:
+        dense = np.zeros_like(dense)
+        view = np.broadcast_to(np.zeros((1, 1, 1, 1), np.float32), dense.shape)
+    assert not view.flags.owndata
+    source = gd._source(metal, True, True)
+    got = _emulate({**x, "state_in": view}, keep=True, source=source)
+    want = _emulate({**x, "state_in": np.ascontiguousarray(dense)}, keep=True, source=source)
+    assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 @pytest.mark.parametrize("rows", [1, 2])
 def test_emulated_rows_per_warp_do_not_change_a_bit(rows):
     x = _raw_inputs(3, seed=3)
@@ -161,6 +183,19 @@ def test_emulated_convolution_matches_the_reference(T):
     pairs = zip(broken, want, strict=True)
     close = [np.allclose(b, np.array(w), rtol=1e-5, atol=1e-6) for b, w in pairs]
     assert not all(close)  # a window that never slides is caught
+
+
+@pytest.mark.parametrize("source", [cw._CUDA_SOURCE, cw._METAL_SOURCE], ids=["cuda", "metal"])
+def test_emulated_convolution_reads_the_window_through_its_strides(source):
+    """After a rollback the window is a view into the last verify's inputs."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 3, 280), dtype=np.float32)
+    inputs = rng.standard_normal((2, 6, 280), dtype=np.float32)  # [B, K - 1 + 3, C]
+    window = inputs[:, 2:5]  # rows 2-4: as restored after keeping 2 of 3 positions
+    weight = rng.standard_normal((280, 4, 1), dtype=np.float32) * 0.5
+    got = _conv(x, window, weight, source)
+    want = _conv(x, np.ascontiguousarray(window), weight, source)
+    assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 # The Metal sources, run the same way: nothing else here can run them.

@@ -31,8 +31,9 @@ def conv_silu_ops(x: mx.array, window: mx.array, weight: mx.array):
 
 
 # One thread per (batch row, channel): it keeps the channel's last K inputs in registers and
-# walks the T positions. x is read through its strides (it is a view into the fused input
-# projection); the window and the weight are row-contiguous. The conv sums its K products in
+# walks the T positions. x and the window are read through their strides (x is a view into
+# the fused input projection; after a rollback the window is a view into the last verify's
+# inputs); the weight is row-contiguous. The conv sums its K products in
 # float32 from the oldest input, rounds to the input dtype, and SiLU rounds as MLX's
 # x * sigmoid(x) does. The Metal source mirrors the CUDA source line by line.
 _CUDA_SOURCE = """
@@ -43,7 +44,7 @@ _CUDA_SOURCE = """
     const int b = blockIdx.y;
     if (c < C) {
       const InT* x_ = x + b * x_strides[0] + c * x_strides[2];
-      const InT* win_ = window + (size_t)b * (K - 1) * C + c;
+      const InT* win_ = window + b * window_strides[0] + c * window_strides[2];
       InT* y_ = y + (size_t)b * T * C + c;
       InT* in_ = inputs + (size_t)b * (K - 1 + T) * C + c;
       InT* wout_ = window_out + (size_t)b * (K - 1) * C + c;
@@ -51,7 +52,7 @@ _CUDA_SOURCE = """
       for (int k = 0; k < K; ++k) wk[k] = static_cast<float>(weight[(size_t)c * K + k]);
       InT last[K];
       for (int j = 0; j < K - 1; ++j) {
-        last[j] = win_[(size_t)j * C];
+        last[j] = win_[j * window_strides[1]];
         in_[(size_t)j * C] = last[j];
       }
       for (int t = 0; t < T; ++t) {
@@ -77,7 +78,7 @@ _METAL_SOURCE = """
     const int b = thread_position_in_grid.y;
     if (c < C) {
       device const InT* x_ = x + b * x_strides[0] + c * x_strides[2];
-      device const InT* win_ = window + (size_t)b * (K - 1) * C + c;
+      device const InT* win_ = window + b * window_strides[0] + c * window_strides[2];
       device InT* y_ = y + (size_t)b * T * C + c;
       device InT* in_ = inputs + (size_t)b * (K - 1 + T) * C + c;
       device InT* wout_ = window_out + (size_t)b * (K - 1) * C + c;
@@ -85,7 +86,7 @@ _METAL_SOURCE = """
       for (int k = 0; k < K; ++k) wk[k] = static_cast<float>(weight[(size_t)c * K + k]);
       InT last[K];
       for (int j = 0; j < K - 1; ++j) {
-        last[j] = win_[(size_t)j * C];
+        last[j] = win_[j * window_strides[1]];
         in_[(size_t)j * C] = last[j];
       }
       for (int t = 0; t < T; ++t) {
@@ -113,7 +114,7 @@ def _spec(source: str) -> dict:
         "input_names": ["x", "window", "weight"],
         "output_names": ["y", "inputs", "window_out"],
         "source": source,
-        "ensure_row_contiguous": False,  # x through its strides; the others made dense below
+        "ensure_row_contiguous": False,  # x and the window through their strides
     }
 
 
@@ -142,7 +143,7 @@ def conv_silu_native(x: mx.array, window: mx.array, weight: mx.array):
     K = weight.shape[1]
     return tuple(
         kernel(
-            inputs=[x, mx.contiguous(window), mx.contiguous(weight)],
+            inputs=[x, window, mx.contiguous(weight)],
             template=[("InT", x.dtype), ("K", K)],
             grid=(-(-C // _THREADS) * _THREADS, B, 1),
             threadgroup=(_THREADS, 1, 1),
@@ -157,7 +158,8 @@ def _self_check(dtype, K: int) -> str | None:
     C, T = 96, 3
     whole = mx.random.normal((2, T, C + 32), key=kx).astype(dtype)  # [B, T, C + 32]
     x = whole[..., 16 : 16 + C]  # a strided view, as the model passes it
-    window = mx.random.normal((2, K - 1, C), key=kc).astype(dtype)
+    inputs = mx.random.normal((2, K + 1, C), key=kc).astype(dtype)  # [B, K - 1 + 2, C]
+    window = inputs[:, 2:]  # a view, as a rollback leaves it
     weight = (mx.random.normal((C, K, 1), key=kw) * 0.5).astype(dtype)
     try:
         got = conv_silu_native(x, window, weight)

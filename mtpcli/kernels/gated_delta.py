@@ -65,11 +65,6 @@ def gated_delta_ops(
     return mx.stack(ys, axis=1), state, mx.stack(states) if states else _no_states(state)
 
 
-def _dense(state: mx.array) -> mx.array:
-    # The kernel reads the state row-contiguous (a fresh cache's zeros are a broadcast).
-    return mx.contiguous(state.astype(mx.float32))
-
-
 def _no_states(state: mx.array) -> mx.array:
     return mx.zeros((0, *state.shape), mx.float32)  # [0, B, Hv, Dv, Dk]: a one-step block
 
@@ -107,10 +102,13 @@ _TEMPLATE = """
         xv[r] = static_cast<float>(v_[(t) * v_strides[1] + r * v_strides[3]]); \\
       xg = static_cast<float>(g_[(t) * gs]); \\
       xb = static_cast<float>(b_[(t) * bs]);
+    // The state is read through its strides: after a rollback it is a view into the last
+    // verify's per-step states, and a fresh cache's zeros may be a broadcast.
     float s[R][NPT];
     for (int r = 0; r < R; ++r) {
-      DEVICE const float* s_in = state_in + ((size_t)n * Dv + dv + r) * Dk + lane * NPT;
-      for (int i = 0; i < NPT; ++i) s[r][i] = s_in[i];
+      DEVICE const float* s_in = state_in + b * state_in_strides[0] + hv * state_in_strides[1]
+          + (dv + r) * state_in_strides[2] + lane * NPT * state_in_strides[3];
+      for (int i = 0; i < NPT; ++i) s[r][i] = s_in[i * state_in_strides[3]];
     }
     float xq[NPT], xk[NPT], xv[R], xg, xb;
     MTP_LOAD(0)
@@ -390,7 +388,7 @@ def gated_delta_native(q, k, v, g, beta, state, *, keep_states: bool = False):
     kernel = _kernel(_keeps(q, keep_states))
     if kernel is None:
         return None
-    inputs = [q, k, v, g.astype(mx.float32), beta.astype(mx.float32), _dense(state)]
+    inputs = [q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state.astype(mx.float32)]
     out = _launch(kernel, inputs, q, k, v, _keeps(q, keep_states))
     return _with_states(out, keep_states)
 
@@ -413,7 +411,7 @@ def gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state, *, keep_states=
     if kernel is None:
         return None
     inputs = [q, k, v, a.astype(q.dtype), b.astype(q.dtype), mx.contiguous(A_log),
-              mx.contiguous(dt_bias), _dense(state)]  # fmt: skip
+              mx.contiguous(dt_bias), state.astype(mx.float32)]  # fmt: skip
     types = [("AT", A_log.dtype), ("DT", dt_bias.dtype)]  # in the name: they type the signature
     out = _launch(kernel, inputs, q, k, v, _keeps(q, keep_states), types)
     return _with_states(out, keep_states)
@@ -426,7 +424,8 @@ def _random_inputs(dtype, hk: int, hv: int, dk: int, dv: int, T: int = 3):
     v = mx.random.normal((1, T, hv, dv), key=kv).astype(dtype)
     g = mx.random.uniform(0.5, 1.0, (1, T, hv), key=kg)
     beta = mx.random.uniform(0.0, 1.0, (1, T, hv), key=kb)
-    state = mx.random.normal((1, hv, dv, dk), key=ks) * 0.1
+    states = mx.random.normal((2, 1, hv, dv, dk), key=ks) * 0.1
+    state = states[1:2].reshape(states.shape[1:])  # a view, as a rollback leaves it
     # As the model passes them: views into one projection output, so strides are checked too.
     q, k, v = _views((q, k, v))
     g, beta = _views((g, beta))
