@@ -44,8 +44,8 @@ A_LOG, DT_BIAS = mx.zeros((HV,)), mx.ones((HV,), dtype=mx.bfloat16)
 def _arm(rows: int, keep: bool):
     def every_layer(q, k, v, a, b, *states):
         gd._ROWS = rows  # read while tracing: each arm's trace keeps its own launch shape
-        run = gd.gated_delta_raw_native
-        outs = [run(q, k, v, a, b, A_LOG, DT_BIAS, s, keep_states=keep) for s in states]
+        outs = [gd.gated_delta_raw_native(q, k, v, a, b, A_LOG, DT_BIAS, s, keep_states=keep)
+                for s in states]  # fmt: skip
         return [o[1] for o in outs], [x for o in outs for x in o if x is not None]
 
     return mx.compile(every_layer)
@@ -86,15 +86,15 @@ def side_by_side(rows: list[int], ts: list[int], repeats: int) -> dict:
 
 
 def launches_only(rows: list[int], ts: list[int]) -> None:
-    arms = [(f"rows={r}", r, gd.gated_delta_raw_native) for r in rows]
     for T in ts:
         xs, states = _inputs(T, 1)
-        for name, r, fn in arms:
+        for r in rows:
             gd._ROWS = r
             for keep in (False,) if T == 1 else (False, True):
                 for _ in range(3):
-                    mx.eval(fn(*xs, A_LOG, DT_BIAS, states[0], keep_states=keep))
-                print(f"T={T} {name} keep={keep}: 3 launches", flush=True)
+                    mx.eval(gd.gated_delta_raw_native(*xs, A_LOG, DT_BIAS, states[0],
+                                                      keep_states=keep))  # fmt: skip
+                print(f"T={T} rows={r} keep={keep}: 3 launches", flush=True)
 
 
 def main() -> None:

@@ -147,10 +147,25 @@ _CUDA_SOURCE = """
       const XT h = static_cast<XT>(static_cast<float>(v));
       return XT2{h, h};
     };
-    auto products = [&](int st, uint4 ql, uint4 qh, XT2 s2_lo, XT2 b2_lo, XT2 s2_hi, XT2 b2_hi) {
+    // A stretch's weights, scales and biases are requested one stretch ahead, into registers.
+    uint4 ql = {0u, 0u, 0u, 0u}, qh = ql;
+    ST sl{}, bl{}, sh{}, bh{};
+    auto fetch = [&](int st) {
+      ql = *reinterpret_cast<const uint4*>(w_lo + st * 16 + t * 4);
+      qh = *reinterpret_cast<const uint4*>(w_hi + st * 16 + t * 4);
+      const int grp = ((st * 16 + t * 4) * VPW) / GS;
+      sl = s_lo[grp];
+      bl = b_lo[grp];
+      sh = s_hi[grp];
+      bh = b_hi[grp];
+    };
+    if (warp < stretches) fetch(warp);
+    for (int st = warp; st < stretches; st += WARPS) {
       const int word0 = st * 16 + t * 4;
       const uint32_t wl[4] = {ql.x, ql.y, ql.z, ql.w};
       const uint32_t wh[4] = {qh.x, qh.y, qh.z, qh.w};
+      const XT2 s2_lo = pair(sl), b2_lo = pair(bl), s2_hi = pair(sh), b2_hi = pair(bh);
+      if (st + WARPS < stretches) fetch(st + WARPS);
       for (int j = 0; j < 4; ++j) {
         uint32_t xv[XW];
         if (g < M) {
@@ -169,25 +184,6 @@ _CUDA_SOURCE = """
           qm_mma(c, a, b, XT{});
         }
       }
-    };
-    // A stretch's weights, scales and biases are requested one stretch ahead, into registers.
-    uint4 ql = {0u, 0u, 0u, 0u}, qh = ql;
-    ST sl{}, bl{}, sh{}, bh{};
-    auto fetch = [&](int st) {
-      ql = *reinterpret_cast<const uint4*>(w_lo + st * 16 + t * 4);
-      qh = *reinterpret_cast<const uint4*>(w_hi + st * 16 + t * 4);
-      const int grp = ((st * 16 + t * 4) * VPW) / GS;
-      sl = s_lo[grp];
-      bl = b_lo[grp];
-      sh = s_hi[grp];
-      bh = b_hi[grp];
-    };
-    if (warp < stretches) fetch(warp);
-    for (int st = warp; st < stretches; st += WARPS) {
-      const uint4 cl = ql, ch = qh;
-      const XT2 s2_lo = pair(sl), b2_lo = pair(bl), s2_hi = pair(sh), b2_hi = pair(bh);
-      if (st + WARPS < stretches) fetch(st + WARPS);
-      products(st, cl, ch, s2_lo, b2_lo, s2_hi, b2_hi);
     }
     __shared__ float part[WARPS * 32 * 4];
     for (int i = 0; i < 4; ++i) part[(warp * 32 + lane) * 4 + i] = c[i];
