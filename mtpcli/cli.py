@@ -358,12 +358,15 @@ def bench(
     vlm, peer_notes = None, []
     if peers:
         if synthetic:
-            peer_notes.append("mlx-vlm: not run (it loads checkpoints from disk; --synthetic "
-                              "builds the model in memory)")  # fmt: skip
+            peer_notes.append("mlx-vlm: not run (it loads checkpoints from disk: write this pair "
+                              "with scripts/write_synthetic.py and pass -m)")  # fmt: skip
         elif not B.MlxVlmPeer.available():
             peer_notes.append("mlx-vlm: not installed, not run")
         else:
-            vlm = B.MlxVlmPeer(loaded.target_dir, loaded.drafter_dir)
+            try:
+                vlm = B.MlxVlmPeer(loaded.target_dir, loaded.drafter_dir)
+            except Exception as e:  # a peer that cannot load this pair is a note, not a stop
+                peer_notes.append(f"mlx-vlm: could not load this pair ({type(e).__name__}: {e})")
     texts = example_prompts()[:3] if on_example else B.DEFAULT_PROMPTS
     if prompts_file is not None:
         texts = B.read_prompts(prompts_file)

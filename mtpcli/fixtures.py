@@ -186,17 +186,26 @@ def _save(out: Path, tensors: dict[str, mx.array], shards: int) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
 
-def write_tokenizer(out: Path, tok=None) -> None:
-    """A tokenizer with a ChatML template: ``tok`` (a ``tokenizers.Tokenizer`` holding the
-    special tokens), else a byte-level BPE of 256 bytes + 3 specials."""
+def byte_tokenizer(vocab_size: int | None = None):
+    """A byte-level BPE of 256 bytes + 3 specials (ids 256-258); with ``vocab_size``,
+    unreachable filler tokens come between them, so that every id of a model decodes and the
+    specials are its last three ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    if tok is None:
-        vocab = {c: i for i, c in enumerate(_bytes_to_unicode())}  # id == byte value
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        tok.decoder = decoders.ByteLevel()
-        tok.add_special_tokens(SPECIAL_TOKENS)
+    vocab = {c: i for i, c in enumerate(_bytes_to_unicode())}  # id == byte value
+    for i in range(len(vocab), (vocab_size or 0) - len(SPECIAL_TOKENS)):
+        vocab[f"<{i}>"] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return tok
+
+
+def write_tokenizer(out: Path, tok=None) -> None:
+    """A tokenizer with a ChatML template: ``tok`` (a ``tokenizers.Tokenizer`` holding the
+    special tokens), else ``byte_tokenizer()``."""
+    tok = byte_tokenizer() if tok is None else tok
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
@@ -281,8 +290,11 @@ def write_target(
     model: nn.Module | None = None,
     drafter: nn.Module | None = None,
     tokenizer=None,
+    quantization: dict | None = None,
 ) -> Path:
-    """Write a target checkpoint (with tokenizer) in ``layout``: mlx, flat or raw."""
+    """Write a target checkpoint (with tokenizer) in ``layout``: mlx, flat or raw.
+
+    ``quantization``: the config block of a ``model`` that is already quantized."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     moe = bool(text.get("num_experts", 0))
@@ -298,8 +310,9 @@ def write_target(
         config.update(text_config=text, architectures=["Qwen3_5ForConditionalGeneration"])
     else:
         if bits:
-            config["quantization"] = _quantize(model, bits, group_size, moe)
-            config["quantization_config"] = config["quantization"]
+            quantization = _quantize(model, bits, group_size, moe)
+        if quantization:
+            config["quantization"] = config["quantization_config"] = quantization
         flat = dict(tree_flatten(model.parameters()))
         if layout == "mlx":
             # A stand-in for the vision tower, in MLX's conv3d layout [out, T, kH, kW, C] as

@@ -6,6 +6,8 @@ Quantized weights are drawn directly as packed integers with small scales, so a 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
@@ -93,10 +95,16 @@ def _set(module: nn.Module, dotted: str, value: mx.array) -> None:
     obj[leaf] = value
 
 
+def _text(name: str) -> tuple[str, dict]:
+    family = "qwen3_5_moe" if SHAPES[name].get("num_experts") else "qwen3_5"
+    # The real configs' context length, which loaders such as mlx-vlm's require.
+    return family, dict(SHAPES[name], model_type=f"{family}_text", max_position_embeddings=262144)
+
+
 def build(name: str, bits: int | None = 4, group_size: int = 64, seed: int = 0):
     """A (target, drafter) pair of shape ``name`` with random weights; bits None = bf16."""
-    family = "qwen3_5_moe" if SHAPES[name].get("num_experts") else "qwen3_5"
-    text = dict(SHAPES[name], model_type=f"{family}_text")
+    family, text = _text(name)
+    mx.random.seed(seed)  # the parameters _randomize keeps (A_log) come from module init
     quant = {"group_size": group_size, "bits": bits, "mode": "affine"} if bits else None
     cfg = ModelConfig(family, TextConfig.from_dict(text, family), quant, (), None, True)
     model = build_model(cfg)
@@ -113,3 +121,22 @@ def build(name: str, bits: int | None = 4, group_size: int = 64, seed: int = 0):
     _randomize(module, None, seed + 1)
     cpu_expert_upcast(module)
     return target, Qwen35MTPDrafter(module, dcfg, target.embed_tokens)
+
+
+def write(name: str, root: Path, bits: int | None = 4, group_size: int = 64, seed: int = 0):
+    """Write ``build(name, ...)`` to disk in the layouts users download: an mlx-community
+    VLM-style target (quantized unless ``bits`` is None, with a byte tokenizer that decodes
+    every id) under ``root/target`` and a standalone bf16 ``qwen3_5_mtp`` drafter under
+    ``root/drafter``, so that peers which load checkpoints from disk (mlx-vlm) run the very
+    same weights. Returns both paths."""
+    from .fixtures import byte_tokenizer, write_drafter, write_target
+
+    target, drafter = build(name, bits, group_size, seed)
+    _, text = _text(name)
+    text["eos_token_id"] = text["vocab_size"] - 1  # <|im_end|>, the byte tokenizer's last id
+    quant = {"group_size": group_size, "bits": bits, "mode": "affine"} if bits else None
+    root = Path(root)
+    t = write_target(root / "target", text, model=target.model, quantization=quant,
+                     tokenizer=byte_tokenizer(text["vocab_size"]), shards=4)  # fmt: skip
+    d = write_drafter(root / "drafter", text, module=drafter.module, block_size=3)
+    return t, d

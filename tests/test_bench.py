@@ -55,6 +55,40 @@ def test_the_mlx_vlm_peer_is_not_run_on_synthetic_models(capsys):
     assert "mlx-vlm: not run" in doc["settings"]["peer_notes"][0]
 
 
+def test_a_synthetic_pair_written_to_disk_is_the_model_that_synthetic_builds(tmp_path):
+    """Peers that load from disk (mlx-vlm) must run the very weights ``--synthetic`` builds."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mtpcli import synthetic
+    from mtpcli.loading import load_pair
+
+    target, drafter = synthetic.write("tiny", tmp_path, bits=4)
+    pair = load_pair(str(target), str(drafter), "mtp")
+    built, built_drafter = synthetic.build("tiny", bits=4)
+    pairs = ((pair.target.model, built.model), (pair.drafter.module, built_drafter.module))
+    for ours, theirs in pairs:
+        a, b = dict(tree_flatten(ours.parameters())), dict(tree_flatten(theirs.parameters()))
+        assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+    vocab = synthetic.SHAPES["tiny"]["vocab_size"]
+    assert pair.tokenizer.decode([vocab - 4, 65]) == f"<{vocab - 4}>A"  # every id decodes
+    assert pair.target.config.eos_token_ids == (vocab - 1,)
+
+
+def test_a_peer_that_cannot_load_the_pair_becomes_a_note(capsys, monkeypatch):
+    from mtpcli import bench
+
+    def refuse(self, target_dir, drafter_dir):
+        raise TypeError("missing 1 required positional argument")
+
+    monkeypatch.setattr(bench.MlxVlmPeer, "__init__", refuse)
+    doc = _bench(capsys, "--block-size", "2", "--peers", "--no-verify-table")
+    assert not any(k.startswith("mlx_vlm") for k in doc["arms"]) and "mlx_lm" in doc["arms"]
+    assert doc["settings"]["peer_notes"] == [
+        "mlx-vlm: could not load this pair (TypeError: missing 1 required positional argument)"
+    ]
+
+
 def test_bad_bench_arguments(capsys):
     for args in (["--block-size", "1"], ["--simulate-acceptance", "2"], ["--synthetic", "nope"]):
         capsys.readouterr()
