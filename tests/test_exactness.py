@@ -174,8 +174,46 @@ def test_row_policy_catches_an_op_that_is_not_row_invariant(load, monkeypatch):
         not ok for key, ok in verdicts.items() if key[0][0] == type(target.layers[0]).__name__
     )
     # Without the policy (batched everywhere), the same op breaks exactness.
-    monkeypatch.setattr(RowPolicy, "choose", lambda self, key, batched, single: batched())
+    monkeypatch.setattr(RowPolicy, "choose", lambda self, key, batched, single, probe: batched())
     assert _mtp(load(), prompt, 48, 4) != want
+    monkeypatch.undo()
+    kernels.changed()
+
+
+def test_routed_layers_go_position_by_position_in_a_gpu_verify(load, monkeypatch):
+    """Which rows of a verify share an expert's product changes from block to block, so on a
+    GPU a MoE layer can pass the policy's probes and differ in a later block (seen on the
+    H200). There a verify never batches routed layers: even probes that pass by luck (all of
+    them, here) leave MTP equal to classic, while probing them as other layers breaks it."""
+    from types import SimpleNamespace
+
+    from mtpcli.models.qwen3_5 import Qwen35Target, RowPolicy
+
+    loaded = load(moe=True)
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "qmm", lambda: "mlx")
+    target = Qwen35Target(loaded.target.model, loaded.target.config, fuse=False)
+    monkeypatch.setattr(kernels, "backend", lambda: "cpu")
+    assert Qwen35Target(loaded.target.model, loaded.target.config, fuse=False).probe[0]
+    monkeypatch.undo()
+    assert target.probe == [False] * len(target.layers)
+    mlp = target.layers[0].mlp
+    original = type(mlp).__call__
+
+    def skewed(self, x):  # rows of a block differ from single rows
+        out = original(self, x)
+        return out + 1e-2 * (x.shape[1] > 1) if self is mlp else out
+
+    monkeypatch.setattr(type(mlp), "__call__", skewed)
+    monkeypatch.setattr(target_mod, "_equal", lambda a, b: True)  # every probe passes
+    kernels.changed()
+    pair = SimpleNamespace(target=target, drafter=loaded.drafter)
+    prompt = PROMPTS[3]
+    want = _classic(pair, prompt, 48)
+    assert _mtp(pair, prompt, 48, 4) == want
+    monkeypatch.setattr(target, "policy", RowPolicy())
+    monkeypatch.setattr(target, "probe", [True] * len(target.layers))
+    assert _mtp(pair, prompt, 48, 4) != want
     monkeypatch.undo()
     kernels.changed()
 

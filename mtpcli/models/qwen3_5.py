@@ -54,7 +54,8 @@ class RowPolicy:
     meets a block, both ways are computed and the one-position result is used; the class runs
     batched only after every comparison was bitwise equal, and never after one differed.
     MLX's CPU backend turns out row-invariant throughout; on CUDA, bf16 matmuls are not, while
-    the 4- and 8-bit ones are for up to 7 rows (measured, docs/design.md).
+    the 4- and 8-bit ones are for up to 7 rows (measured, docs/design.md). A class that is not
+    to be probed (``probe=False``) always runs position by position.
     """
 
     CONFIRM = 3
@@ -74,8 +75,10 @@ class RowPolicy:
             self._sigs[id(module)] = entry
         return entry[1]
 
-    def choose(self, key: tuple, batched: Callable, single: Callable):
+    def choose(self, key: tuple, batched: Callable, single: Callable, probe: bool = True):
         """``single()`` (the one-position arithmetic) until ``batched()`` settled as equal to it."""
+        if not probe:
+            return single()
         ok = self.verdicts.get(key)
         if ok:
             return batched()
@@ -89,7 +92,7 @@ class RowPolicy:
                 self.verdicts[key] = False
         return out
 
-    def rows(self, fn: Callable, xs: tuple, exact: bool, sig: tuple):
+    def rows(self, fn: Callable, xs: tuple, exact: bool, sig: tuple, probe: bool = True):
         """``fn`` over inputs [B, T, ...]: batched, or position by position where rows differ.
         ``sig`` names the op class (see ``signature``); ``fn`` may return a tuple."""
         T = xs[0].shape[1]
@@ -102,7 +105,7 @@ class RowPolicy:
                 return tuple(mx.concatenate(part, axis=1) for part in zip(*outs, strict=True))
             return mx.concatenate(outs, axis=1)
 
-        return self.choose((sig, T, str(xs[0].dtype)), lambda: fn(*xs), single)
+        return self.choose((sig, T, str(xs[0].dtype)), lambda: fn(*xs), single, probe)
 
 
 def _equal(a, b) -> bool:
@@ -224,6 +227,14 @@ class Qwen35Target:
             fuse = ours and kernels.backend() != "cpu" and kernels.mode() != "ops"
         self.fused_in, self.fused_mlp = self._fuse() if fuse else ({}, {})
         self.functions = LayerFunctions()
+        # Routed (MoE) layers on a GPU are never batched in a verify: which rows share an
+        # expert's product changes from block to block, so a probe can pass by luck and a later
+        # block differ. Nor are they compiled: on CUDA their compiled functions differ from the
+        # eager ones, which the first block of each length runs (the H200 showed both). MLX's
+        # CPU products are row-invariant regardless.
+        gpu = kernels.backend() != "cpu"
+        routed = [isinstance(layer.mlp, qwen3_5.SparseMoeBlock) for layer in self.layers]
+        self.probe = [not (gpu and r) for r in routed]
 
     def _fuse(self) -> tuple[dict, dict]:
         """Per layer: the gated-delta input projections, and the dense MLP's gate and up."""
@@ -280,7 +291,7 @@ class Qwen35Target:
 
             return linear
 
-        return self.functions.get((kind, i, keep), make, compiled)
+        return self.functions.get((kind, i, keep), make, compiled and self.probe[i])
 
     def _linear_layer(self, i: int, h, cache, verify: bool, compiled: bool):
         m, T = self.layers[i].linear_attn, h.shape[1]
@@ -309,7 +320,8 @@ class Qwen35Target:
         if T == 1:
             out = batched(h, conv_state, state)
         else:
-            out = self.policy.choose(key, lambda: batched(h, conv_state, state), single)
+            out = self.policy.choose(key, lambda: batched(h, conv_state, state), single,
+                                     self.probe[i])  # fmt: skip
         h, conv_input, cache[0], cache[1], states = out
         return h, GatedDeltaTrace(conv_input, states)
 
@@ -328,7 +340,7 @@ class Qwen35Target:
             o = mx.concatenate(
                 [attention_core(m, *(x[:, t : t + 1] for x in (q, k, v)), None, cache)
                  for t in range(T)], axis=1)  # fmt: skip
-        return policy.rows(post, (h, o, gate), verify, (sig, "post"))
+        return policy.rows(post, (h, o, gate), verify, (sig, "post"), self.probe[i])
 
     def forward(self, tokens: mx.array, cache: list, *, verify: bool = False) -> ForwardOut:
         """Run tokens [B, T] through the decoder, appending to ``cache``.
