@@ -194,8 +194,11 @@ def test_routed_layers_go_position_by_position_in_a_gpu_verify(load, monkeypatch
     monkeypatch.setattr(kernels, "qmm", lambda: "mlx")
     target = Qwen35Target(loaded.target.model, loaded.target.config, fuse=False)
     monkeypatch.setattr(kernels, "backend", lambda: "cpu")
-    assert Qwen35Target(loaded.target.model, loaded.target.config, fuse=False).probe[0]
+    on_cpu = Qwen35Target(loaded.target.model, loaded.target.config, fuse=False)
     monkeypatch.undo()
+    assert all(on_cpu.probe)
+    _classic(SimpleNamespace(target=on_cpu), PROMPTS[1], 4)
+    assert on_cpu.functions.compiled_keys()
     assert target.probe == [False] * len(target.layers)
     mlp = target.layers[0].mlp
     original = type(mlp).__call__
@@ -211,6 +214,7 @@ def test_routed_layers_go_position_by_position_in_a_gpu_verify(load, monkeypatch
     prompt = PROMPTS[3]
     want = _classic(pair, prompt, 48)
     assert _mtp(pair, prompt, 48, 4) == want
+    assert not target.functions.compiled_keys()  # every layer's MLP is routed here
     monkeypatch.setattr(target, "policy", RowPolicy())
     monkeypatch.setattr(target, "probe", [True] * len(target.layers))
     assert _mtp(pair, prompt, 48, 4) != want
