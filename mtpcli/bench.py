@@ -62,6 +62,7 @@ def machine() -> dict:
         "python": platform.python_version(),
         "mlx": mx.__version__,
         "mlx_lm": version("mlx-lm"),
+        "mlx_vlm": version("mlx-vlm"),
         "mtp": version("mtp"),
     }
 
@@ -432,7 +433,9 @@ def markdown(doc: dict) -> str:
     lines = [
         f"# mtp bench: {st['model']}",
         "",
-        f"{info['device']} ({info['backend']}); MLX {info['mlx']}, mlx-lm {info['mlx_lm']}; load "
+        f"{info['device']} ({info['backend']}); MLX {info['mlx']}, mlx-lm {info['mlx_lm']}"
+        + (f", mlx-vlm {info['mlx_vlm']}" if info.get("mlx_vlm") else "")
+        + "; load "
         f"{tuple(round(x, 2) for x in info['load_before'])} before, "
         f"{tuple(round(x, 2) for x in info['load_after'])} after. {st['prompts']} prompts x "
         f"{st['max_tokens']} tokens, {st['repeats']} repeats; figures are median (min-max). "
