@@ -174,7 +174,9 @@ def test_row_policy_catches_an_op_that_is_not_row_invariant(load, monkeypatch):
         not ok for key, ok in verdicts.items() if key[0][0] == type(target.layers[0]).__name__
     )
     # Without the policy (batched everywhere), the same op breaks exactness.
-    monkeypatch.setattr(RowPolicy, "choose", lambda self, key, batched, single, probe: batched())
+    monkeypatch.setattr(
+        RowPolicy, "choose", lambda self, key, batched, single, probe=True: batched()
+    )
     assert _mtp(load(), prompt, 48, 4) != want
     monkeypatch.undo()
     kernels.changed()
@@ -196,10 +198,10 @@ def test_routed_layers_go_position_by_position_in_a_gpu_verify(load, monkeypatch
     monkeypatch.setattr(kernels, "backend", lambda: "cpu")
     on_cpu = Qwen35Target(loaded.target.model, loaded.target.config, fuse=False)
     monkeypatch.undo()
-    assert all(on_cpu.probe)
+    assert not any(on_cpu.routed_on_gpu)
     _classic(SimpleNamespace(target=on_cpu), PROMPTS[1], 4)
     assert on_cpu.functions.compiled_keys()
-    assert target.probe == [False] * len(target.layers)
+    assert target.routed_on_gpu == [True] * len(target.layers)
     mlp = target.layers[0].mlp
     original = type(mlp).__call__
 
@@ -216,7 +218,7 @@ def test_routed_layers_go_position_by_position_in_a_gpu_verify(load, monkeypatch
     assert _mtp(pair, prompt, 48, 4) == want
     assert not target.functions.compiled_keys()  # every layer's MLP is routed here
     monkeypatch.setattr(target, "policy", RowPolicy())
-    monkeypatch.setattr(target, "probe", [True] * len(target.layers))
+    monkeypatch.setattr(target, "routed_on_gpu", [False] * len(target.layers))
     assert _mtp(pair, prompt, 48, 4) != want
     monkeypatch.undo()
     kernels.changed()

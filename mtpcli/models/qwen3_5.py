@@ -233,8 +233,8 @@ class Qwen35Target:
         # eager ones, which the first block of each length runs (the H200 showed both). MLX's
         # CPU products are row-invariant regardless.
         gpu = kernels.backend() != "cpu"
-        routed = [isinstance(layer.mlp, qwen3_5.SparseMoeBlock) for layer in self.layers]
-        self.probe = [not (gpu and r) for r in routed]
+        moe = qwen3_5.SparseMoeBlock
+        self.routed_on_gpu = [gpu and isinstance(ly.mlp, moe) for ly in self.layers]
 
     def _fuse(self) -> tuple[dict, dict]:
         """Per layer: the gated-delta input projections, and the dense MLP's gate and up."""
@@ -291,7 +291,7 @@ class Qwen35Target:
 
             return linear
 
-        return self.functions.get((kind, i, keep), make, compiled and self.probe[i])
+        return self.functions.get((kind, i, keep), make, compiled and not self.routed_on_gpu[i])
 
     def _linear_layer(self, i: int, h, cache, verify: bool, compiled: bool):
         m, T = self.layers[i].linear_attn, h.shape[1]
@@ -321,7 +321,7 @@ class Qwen35Target:
             out = batched(h, conv_state, state)
         else:
             out = self.policy.choose(key, lambda: batched(h, conv_state, state), single,
-                                     self.probe[i])  # fmt: skip
+                                     probe=not self.routed_on_gpu[i])  # fmt: skip
         h, conv_input, cache[0], cache[1], states = out
         return h, GatedDeltaTrace(conv_input, states)
 
@@ -340,7 +340,7 @@ class Qwen35Target:
             o = mx.concatenate(
                 [attention_core(m, *(x[:, t : t + 1] for x in (q, k, v)), None, cache)
                  for t in range(T)], axis=1)  # fmt: skip
-        return policy.rows(post, (h, o, gate), verify, (sig, "post"), self.probe[i])
+        return policy.rows(post, (h, o, gate), verify, (sig, "post"), not self.routed_on_gpu[i])
 
     def forward(self, tokens: mx.array, cache: list, *, verify: bool = False) -> ForwardOut:
         """Run tokens [B, T] through the decoder, appending to ``cache``.
