@@ -161,12 +161,8 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--name", default=None)
-    ap.add_argument(
-        "--arms",
-        nargs="+",
-        default=[str(qm.WARPS), "mlx"],
-        help="W (our kernel with W warps) or mlx",
-    )
+    ap.add_argument("--arms", nargs="+", default=[str(qm.WARPS), "mlx"],
+                    help="W (our kernel with W warps) or mlx")  # fmt: skip
     ap.add_argument("--ms", type=int, nargs="+", default=list(range(1, 9)))
     ap.add_argument("--launches-only", action="store_true")
     ap.add_argument("--eager", action="store_true", help="time products op by op, not compiled")
@@ -221,9 +217,8 @@ def markdown(res: dict, args) -> str:
         f"{res['load_after'][0]:.2f} after. Median of {res['repeats']} evaluations of "
         f"{res['calls_per_eval']} independent products (4 for the head), "
         f"{'op by op' if args.eager else 'one compiled call'}, divided; min-max in "
-        f"the JSON. Arms `W`: our kernel, W warps. Device read bandwidth, "
-        f"same run, "
-        f"1 GiB: {read['stream']['gb_s']:.0f} GB/s streaming kernel, "
+        f"the JSON. Arms `W`: our kernel, W warps. Device read bandwidth, same run, 1 GiB: "
+        f"{read['stream']['gb_s']:.0f} GB/s streaming kernel, "
         f"{read['reduction']['gb_s']:.0f} GB/s reduction; the % column is of {peak:.0f}. One "
         f"tiny product (16 x 128, with the add that makes its input): {floor}.",
         "",

@@ -301,14 +301,7 @@ def _kernel():
 
 
 def quantized_matmul_native(
-    x,
-    w,
-    scales,
-    biases,
-    *,
-    group_size: int,
-    bits: int,
-    warps: int = WARPS,
+    x, w, scales, biases, *, group_size: int, bits: int, warps: int = WARPS
 ):
     """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype; None where there is none.
     ``warps`` is for benchmarks (scripts/bench_qmm.py)."""
