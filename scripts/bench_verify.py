@@ -205,10 +205,12 @@ def _compile(choice: str) -> Iterator[None]:
         kernels.set_compile(before)
 
 
-def classic_tps(target, prompt, n: int, repeats: int) -> dict:
+def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = None) -> dict:
     """Classic decode tok/s on the same weights: ours (as loaded, with the convolution as
     mlx-lm's ops, and without mx.compile), ours without the fused projections, ours on MLX's own
-    quantized matmul (compiled and not), and mlx-lm's generate_step."""
+    quantized matmul (compiled and not), and mlx-lm's generate_step (``names``: a subset).
+    Interleaved: each repeat runs every arm once, after one untimed run under its setting (a
+    setting's switch retraces), so a drift of the machine moves all arms alike."""
     from mlx_lm.generate import generate_step
 
     unfused = tm.Qwen35Target(target.model, target.config, fuse=False)
@@ -234,12 +236,16 @@ def classic_tps(target, prompt, n: int, repeats: int) -> dict:
         "mlx_lm": (lambda: stock_layers(target.model),
                    lambda: rate(generate_step(mx.array(prompt), target.model, max_tokens=n))),
     }  # fmt: skip
+    arms = {k: v for k, v in arms.items() if names is None or k in names}
+    vals: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(repeats):
+        for name, (setting, fn) in arms.items():
+            with setting():
+                fn()  # warm-up (kernel compilation, tracing)
+                vals[name].append(fn())
     res = {}
-    for name, (setting, fn) in arms.items():
-        with setting():
-            fn()  # warm-up (kernel compilation, tracing)
-            vals = [fn() for _ in range(repeats)]
-        res[name] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    for name, v in vals.items():
+        res[name] = {"median": statistics.median(v), "min": min(v), "max": max(v), "runs": v}
         print(f"  {name}: {res[name]['median']:.2f} tok/s", flush=True)
     return res
 
@@ -284,6 +290,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--decode-repeats", type=int, default=3, help="decode runs an arm")
+    ap.add_argument("--arms", nargs="+", default=None, help="decode arms to run (default all)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--name", default=None)
     ap.add_argument("--quick", action="store_true", help="skip the breakdown and decode runs")
@@ -349,7 +357,9 @@ def main() -> None:
         "mlx": mx.__version__, "python": platform.python_version(),
     }  # fmt: skip
     if args.decode_only:
-        res["classic_tps"] = classic_tps(target, prompt[0].tolist(), args.decode_tokens, 3)
+        res["classic_tps"] = classic_tps(
+            target, prompt[0].tolist(), args.decode_tokens, args.decode_repeats, args.arms
+        )
         res["load_before"], res["load_after"] = load_before, os.getloadavg()
         print(json.dumps(res, indent=1, default=str))
         if args.out:
@@ -397,7 +407,7 @@ def main() -> None:
         print("breakdown", json.dumps(res["breakdown_ms"])[:600], flush=True)
         save(res)
         ids = prompt[0].tolist()
-        res["classic_tps"] = classic_tps(target, ids, args.decode_tokens, 3)
+        res["classic_tps"] = classic_tps(target, ids, args.decode_tokens, args.decode_repeats)
         res["mlx_lm_decode_ms"] = 1000 / res["classic_tps"]["mlx_lm"]["median"]
         print("classic tok/s", res["classic_tps"], flush=True)
     res["load_before"], res["load_after"] = load_before, os.getloadavg()

@@ -39,7 +39,10 @@ def test_compiled_steps_equal_eager_steps_bitwise(load, compile_setting, moe):
     assert not target.functions.compiled_keys()
     compile_setting("on")
     fast = _decode_hidden(target)
-    assert target.functions.compiled_keys(), "the decode steps never compiled"
+    if all(target.routed_on_gpu):  # GPUs run routed layers op by op (docs/design.md)
+        assert not target.functions.compiled_keys(), "a routed layer compiled on a GPU"
+    else:
+        assert target.functions.compiled_keys(), "the decode steps never compiled"
     assert all(mx.array_equal(a, b).item() for a, b in zip(eager, fast, strict=True))
 
 
