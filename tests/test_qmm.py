@@ -182,12 +182,18 @@ def test_fused_projections_equal_the_separate_ones_and_share_their_weights(ckpts
     plain = Qwen35Target(load_target(path, config).model, config, fuse=False)
     assert not plain.fused_in
     fused = Qwen35Target(load_target(path, config).model, config, fuse=True)
-    n_linear = sum(layer.is_linear for layer in fused.layers)
-    assert len(fused.fused_in) == n_linear and len(fused.fused_mlp) == len(fused.layers)
-    i = next(iter(fused.fused_in))
-    proj, m = fused.fused_in[i], fused.layers[i].linear_attn
-    rows = proj["weight"][m.in_proj_qkv.weight.shape[0] :][: m.in_proj_z.weight.shape[0]]
-    assert mx.array_equal(rows, m.in_proj_z.weight).item()
+    # every layer's input projections (gated-delta and attention) and every MLP
+    assert len(fused.fused_in) == len(fused.fused_mlp) == len(fused.layers)
+    assert {ly.is_linear for ly in fused.layers} == {True, False}
+    for i, layer in enumerate(fused.layers):  # a sibling's rows of the fused weight are its own
+        proj = fused.fused_in[i]
+        first, second = (
+            (layer.linear_attn.in_proj_qkv, layer.linear_attn.in_proj_z)
+            if layer.is_linear
+            else (layer.self_attn.q_proj, layer.self_attn.k_proj)
+        )
+        rows = proj["weight"][first.weight.shape[0] :][: second.weight.shape[0]]
+        assert mx.array_equal(rows, second.weight).item()
     for prompt in ([3, 1, 4, 1, 5], [(7 * i) % 200 for i in range(40)]):
         ca, cb = plain.make_cache(), fused.make_cache()
         ha, hb = plain.prefill(mx.array([prompt]), ca), fused.prefill(mx.array([prompt]), cb)
