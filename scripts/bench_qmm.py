@@ -2,6 +2,7 @@
 
     python scripts/bench_qmm.py --repeats 10 --out docs/benchmark_results
     python scripts/bench_qmm.py --arms 8 4 mlx --ms 1 3 8   # our kernel with 8 and 4 warps
+    python scripts/bench_qmm.py --arms 8 8x5 --ms 1 3       # 8 warps, and capped for 5 blocks
     ncu --set full -k regex:mtp_qmm python scripts/bench_qmm.py --launches-only
 
 For each layer (random affine-quantized weights, bf16 activations) and M, the median time of
@@ -11,7 +12,8 @@ own read bandwidth is measured in the same run, as the yardstick: a streaming re
 (16-byte loads, enough blocks to fill the device) and, as before, a large reduction; the
 faster of the two is the yardstick. An arm ``W`` is our kernel with W split-K warps per tile;
 ``mlx`` is ``mx.quantized_matmul``.
-``--launches-only`` runs each arm once per layer at M = 1 and 3, for a profiler.
+``--launches-only`` runs each arm once per layer at M = 1 and 3, for a profiler; ``--step``
+takes the products a decode step runs (fused, as the target runs them) instead of the layers.
 """
 
 from __future__ import annotations
@@ -36,6 +38,16 @@ LAYERS = {  # name: (K, N) of the Qwen3.8-27B shape
     "gdn qkv 5120->10240": (5120, 10240),
     "attn/gdn out 6144->5120": (6144, 5120),
     "head 5120->248320": (5120, 248320),
+}
+# The products one decode step of the 27B shape runs, fused as the target fuses them, with how
+# many a step runs (in the name): --step times these instead.
+STEP_LAYERS = {
+    "mlp gate+up 5120->34816 (64)": (5120, 34816),
+    "mlp down 17408->5120 (64)": (17408, 5120),
+    "gdn in 5120->16480 (48)": (5120, 16480),
+    "out 6144->5120 (64)": (6144, 5120),
+    "attn qkv 5120->14336 (16)": (5120, 14336),
+    "head 5120->248320 (1)": (5120, 248320),
 }
 CALLS = 32  # products per evaluation (4 for the head), so a sync is not what is timed
 
@@ -79,13 +91,16 @@ def device_read_bandwidth(repeats: int) -> dict:
 
 
 def arms(names: list[str]) -> dict:
-    """``W`` -> our kernel with W split-K warps; ``mlx`` -> MLX's product."""
+    """``W`` -> our kernel with W split-K warps; ``WxB`` -> the same with launch bounds that
+    fit B blocks on a multiprocessor (ptxas caps its registers); ``mlx`` -> MLX's product."""
     out = {}
     for name in names:
         if name == "mlx":
             out[name] = qm.quantized_matmul_ops
             continue
-        out[name] = partial(qm.quantized_matmul_native, warps=int(name))
+        warps, _, blocks = name.partition("x")
+        out[name] = partial(qm.quantized_matmul_native, warps=int(warps),
+                            min_blocks=int(blocks) if blocks else None)  # fmt: skip
     return out
 
 
@@ -142,11 +157,11 @@ def layer_costs(
     return out
 
 
-def launches_only(fns: dict, bits: int, gs: int) -> None:
+def launches_only(fns: dict, bits: int, gs: int, layers: dict) -> None:
     a = mx.ones((1 << 30) // 4, dtype=mx.uint32)
     mx.eval(_stream_read(a)())
     print("stream read of 1 GiB: 1 launch", flush=True)
-    for name, (k, n) in LAYERS.items():
+    for name, (k, n) in layers.items():
         (w, scales, biases), xs = _weights(k, n, bits, gs)
         for arm, fn in fns.items():
             for M in (1, 3):
@@ -162,16 +177,18 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--name", default=None)
     ap.add_argument("--arms", nargs="+", default=[str(qm.WARPS), "mlx"],
-                    help="W (our kernel with W warps) or mlx")  # fmt: skip
+                    help="W (ours, W warps), WxB (launch bounds for B blocks), mlx")  # fmt: skip
     ap.add_argument("--ms", type=int, nargs="+", default=list(range(1, 9)))
     ap.add_argument("--launches-only", action="store_true")
+    ap.add_argument("--step", action="store_true", help="a decode step's fused products")
     ap.add_argument("--eager", action="store_true", help="time products op by op, not compiled")
     args = ap.parse_args()
     if kernels.backend() != "cuda":
         raise SystemExit("needs the CUDA backend (the yardstick kernel is CUDA)")
     fns = arms(args.arms)
+    layers = STEP_LAYERS if args.step else LAYERS
     if args.launches_only:
-        launches_only(fns, args.bits, args.group_size)
+        launches_only(fns, args.bits, args.group_size, layers)
         return
     load_before = os.getloadavg()
     res: dict = {
@@ -187,7 +204,7 @@ def main() -> None:
     res["launch_floor_us"] = launch_floor(args.repeats, fns)
     print("launch floor us", res["launch_floor_us"], flush=True)
     res["layers"] = {}
-    for name, (k, n) in LAYERS.items():
+    for name, (k, n) in layers.items():
         res["layers"][name] = r = layer_costs(
             k, n, args.bits, args.group_size, args.repeats, fns, args.ms, args.eager
         )
@@ -212,12 +229,14 @@ def markdown(res: dict, args) -> str:
         "",
         f"`python scripts/bench_qmm.py --repeats {args.repeats} --bits {args.bits} "
         f"--group-size {args.group_size} --arms {' '.join(args.arms)}"
+        f"{' --step' if args.step else ''}"
         f"{' --eager' if args.eager else ''}` on {res['device']} "
         f"({res['backend']}), MLX {res['mlx']}; load {res['load_before'][0]:.2f} before, "
         f"{res['load_after'][0]:.2f} after. Median of {res['repeats']} evaluations of "
         f"{res['calls_per_eval']} independent products (4 for the head), "
         f"{'op by op' if args.eager else 'one compiled call'}, divided; min-max in "
-        f"the JSON. Arms `W`: our kernel, W warps. Device read bandwidth, same run, 1 GiB: "
+        f"the JSON. Arms `W`: our kernel, W warps (`WxB`: launch bounds for B blocks). "
+        f"Device read bandwidth, same run, 1 GiB: "
         f"{read['stream']['gb_s']:.0f} GB/s streaming kernel, "
         f"{read['reduction']['gb_s']:.0f} GB/s reduction; the % column is of {peak:.0f}. One "
         f"tiny product (16 x 128, with the add that makes its input): {floor}.",

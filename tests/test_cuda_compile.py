@@ -112,6 +112,18 @@ def test_quantized_matmul_fits_four_blocks_per_multiprocessor(tmp_path, bits):
     assert used * 32 * qm.WARPS * 4 <= 65536, used
 
 
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_launch_bounds_cap_the_products_registers(tmp_path, bits):
+    """``min_blocks`` (a benchmark arm, not the default) reaches ptxas through the header: 5
+    blocks of 8 warps leave at most 51 registers a thread (65536 / 1280)."""
+    types = {"x": BF16, "w": U32, "scales": BF16, "biases": BF16}
+    constants = {"XT": BF16, "ST": BF16, "BITS": bits, "GS": 64, "WARPS": qm.WARPS}
+    header = qm._HEADER_CUDA + qm.launch_bounds(qm.WARPS, 5)
+    code = _wrap(qm._CUDA_SOURCE, header, types, {"y": BF16}, constants)
+    used = int(re.search(r"Used (\d+) registers", _compile(tmp_path, code)).group(1))
+    assert used * 32 * qm.WARPS * 5 <= 65536, used
+
+
 def test_a_source_error_is_caught(tmp_path):
     """The check is real: a source that does not compile fails it."""
     source = gd._source(False, True, True).replace("kv[r] = 0.0f;", "kv[r] = undefined_name;")

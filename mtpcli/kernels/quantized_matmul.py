@@ -296,16 +296,34 @@ def _build_metal():
     return mx.fast.metal_kernel(**_spec(_METAL_SOURCE, ""))
 
 
-def _kernel():
-    return built(_kernels, (), _build_cuda, _build_metal)
+def launch_bounds(warps: int, min_blocks: int) -> str:
+    """A header tail that gives the kernel CUDA launch bounds: ``min_blocks`` blocks of
+    ``warps`` warps must fit a multiprocessor, so ptxas caps the registers a thread (at 5
+    blocks of 8 warps, 51). MLX writes the kernel's signature after the header, so the bounds
+    ride on ``__global__``."""
+    return (f"#undef __global__\n#define __global__ __location__(global) "
+            f"__launch_bounds__({32 * warps}, {min_blocks})\n")  # fmt: skip
+
+
+def _kernel(warps: int = WARPS, min_blocks: int | None = None):
+    if min_blocks is None:
+        return built(_kernels, (), _build_cuda, _build_metal)
+    header = _HEADER_CUDA + launch_bounds(warps, min_blocks)
+
+    def cuda():
+        return mx.fast.cuda_kernel(**_spec(_CUDA_SOURCE, header)) if available("cuda") else None
+
+    return built(_kernels, ("bounds", warps, min_blocks), cuda, _build_metal)
 
 
 def quantized_matmul_native(
-    x, w, scales, biases, *, group_size: int, bits: int, warps: int = WARPS
-):
+    x, w, scales, biases, *, group_size: int, bits: int, warps: int = WARPS,
+    min_blocks: int | None = None,
+):  # fmt: skip
     """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype; None where there is none.
-    ``warps`` is for benchmarks (scripts/bench_qmm.py)."""
-    kernel = _kernel()
+    ``warps`` and ``min_blocks`` (launch bounds, CUDA) are for benchmarks
+    (scripts/bench_qmm.py)."""
+    kernel = _kernel(warps, min_blocks)
     if kernel is None:
         return None
     M, N = x.shape[0], w.shape[0]
