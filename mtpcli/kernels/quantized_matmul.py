@@ -284,10 +284,10 @@ def _spec(source: str, header: str) -> dict:
     }
 
 
-def _build_cuda():
+def _build_cuda(header: str = _HEADER_CUDA):
     if not available("cuda"):
         return None
-    return mx.fast.cuda_kernel(**_spec(_CUDA_SOURCE, _HEADER_CUDA))
+    return mx.fast.cuda_kernel(**_spec(_CUDA_SOURCE, header))
 
 
 def _build_metal():
@@ -309,11 +309,7 @@ def _kernel(warps: int = WARPS, min_blocks: int | None = None):
     if min_blocks is None:
         return built(_kernels, (), _build_cuda, _build_metal)
     header = _HEADER_CUDA + launch_bounds(warps, min_blocks)
-
-    def cuda():
-        return mx.fast.cuda_kernel(**_spec(_CUDA_SOURCE, header)) if available("cuda") else None
-
-    return built(_kernels, ("bounds", warps, min_blocks), cuda, _build_metal)
+    return built(_kernels, ("bounds", warps, min_blocks), lambda: _build_cuda(header), _build_metal)
 
 
 def quantized_matmul_native(
