@@ -56,15 +56,6 @@ SHAPES: dict[str, dict] = {
         "linear_num_key_heads": 2, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
         "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
     },
-    # The 27B shape's 64 layers (48 gated-delta, 16 attention) at "tiny"'s widths: the host's
-    # graph building and launch count of the real layer stack, on any machine.
-    "qwen3.8-27b-layers": {
-        "hidden_size": 256, "num_hidden_layers": 64, "intermediate_size": 512,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 256,
-        "rms_norm_eps": 1e-6, "vocab_size": 1024, "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
-    },
     "tiny-moe": {
         "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 128,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 256,
@@ -75,6 +66,9 @@ SHAPES: dict[str, dict] = {
         "shared_expert_intermediate_size": 128, "norm_topk_prob": True,
     },
 }  # fmt: skip
+# The 27B shape's 64 layers (48 gated-delta, 16 attention) at "tiny"'s widths: the host's graph
+# building and launch count of the real layer stack, on any machine.
+SHAPES["qwen3.8-27b-layers"] = {**SHAPES["tiny"], "num_hidden_layers": 64}
 
 
 def _randomize(module: nn.Module, bits: int | None, seed: int) -> None:
