@@ -32,6 +32,7 @@ from mtpcli.bench import timed_ms as timed
 from mtpcli.engine.classic import generate_classic
 from mtpcli.kernels import conv_window as cw
 from mtpcli.kernels import gated_delta as gd
+from mtpcli.kernels import quantized_matmul as qm
 from mtpcli.kernels.quantized_matmul import stock_layers
 from mtpcli.models import qwen3_5 as tm
 
@@ -207,8 +208,9 @@ def _compile(choice: str) -> Iterator[None]:
 
 def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = None) -> dict:
     """Classic decode tok/s on the same weights: ours (as loaded, with the convolution as
-    mlx-lm's ops, and without mx.compile), ours without the fused projections, ours on MLX's own
-    quantized matmul (compiled and not), and mlx-lm's generate_step (``names``: a subset).
+    mlx-lm's ops, with the residual adds apart from the products, and without mx.compile),
+    ours without the fused projections, ours on MLX's own quantized matmul (compiled and not),
+    and mlx-lm's generate_step (``names``: a subset).
     Interleaved: each repeat runs every arm once, after one untimed run under its setting (a
     setting's switch retraces), so a drift of the machine moves all arms alike."""
     from mlx_lm.generate import generate_step
@@ -228,6 +230,7 @@ def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = 
     arms = {
         "ours": (nullcontext, ours(target)),
         "ours_conv_ops": (_conv_ops, ours(target)),
+        "ours_residual_apart": (_residual_apart, ours(target)),
         "ours_eager": (lambda: _compile("off"), ours(target)),
         "ours_unfused": (nullcontext, ours(unfused)),
         "ours_mlx_qmm": (lambda: stock_layers(unfused.model), ours(unfused)),
@@ -259,6 +262,18 @@ def _conv_ops() -> Iterator[None]:
         yield
     finally:
         tm.conv_silu = original
+        kernels.changed()
+
+
+@contextmanager
+def _residual_apart() -> Iterator[None]:
+    """The layers' residual adds as MLX ops after our product, not in its store."""
+    qm.FUSE_RESIDUAL = False
+    kernels.changed()
+    try:
+        yield
+    finally:
+        qm.FUSE_RESIDUAL = True
         kernels.changed()
 
 
@@ -488,6 +503,7 @@ def _markdown(res: dict, args) -> str:
         c = res["classic_tps"]
         labels = {"ours": f"ours as run (qmm {res['qmm']}, compiled layer functions)",
                   "ours_conv_ops": "same, the convolution as mlx-lm's four ops",
+                  "ours_residual_apart": "same, the residual adds apart from the products",
                   "ours_eager": "same, not compiled (op by op)",
                   "ours_unfused": "ours, projections unfused",
                   "ours_mlx_qmm": "ours on MLX's quantized matmul (unfused)",

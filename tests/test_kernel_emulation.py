@@ -220,11 +220,13 @@ def test_emulated_metal_convolution_matches_the_reference():
         np.testing.assert_allclose(g, np.array(w), rtol=1e-5, atol=1e-6)
 
 
-def _metal_qmm(x: np.ndarray, w, scales, biases, group_size: int, bits: int) -> np.ndarray:
+def _metal_qmm(x: np.ndarray, w, scales, biases, group_size: int, bits: int,
+               residual: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
     n = w.shape[0]
+    extra = {} if residual is None else {"residual": residual}
     out = cuda_emulation.run(
-        qm._METAL_SOURCE,
-        {"x": x, "w": w, "scales": scales, "biases": biases},
+        qm._METAL_SOURCE if residual is None else qm.with_residual(qm._METAL_SOURCE),
+        {"x": x, "w": w, "scales": scales, "biases": biases} | extra,
         {"y": (x.shape[0], n)},
         {"XT": "float", "ST": "float", "BITS": bits, "GS": group_size, "WARPS": qm.WARPS},
         grid=(32 * qm.WARPS * ((n + 15) // 16), 1, 1),
@@ -285,19 +287,52 @@ def _as_dequantized(x, w, scales, biases, group_size, bits) -> np.ndarray:
     return np.array(x.astype(mx.float32), np.float64) @ dense.astype(np.float64).T
 
 
-def _cuda_qmm(x, w, scales, biases, group_size, bits, warps=qm.WARPS):
+def _cuda_qmm(x, w, scales, biases, group_size, bits, warps=qm.WARPS, residual=None):
     n = w.shape[0]
+    extra = {} if residual is None else {"residual": _bits16(residual)}
     return cuda_emulation.run(
-        qm._CUDA_SOURCE,
-        {"x": _bits16(x), "w": np.array(w), "scales": _bits16(scales), "biases": _bits16(biases)},
+        qm._CUDA_SOURCE if residual is None else qm.with_residual(qm._CUDA_SOURCE),
+        {"x": _bits16(x), "w": np.array(w), "scales": _bits16(scales), "biases": _bits16(biases)}
+        | extra,
         {"y": (x.shape[0], n)},
         {"XT": "__nv_bfloat16", "ST": "__nv_bfloat16", "BITS": bits, "GS": group_size,
          "WARPS": warps},
         grid=(32 * warps * ((n + 15) // 16), 1, 1),
         threadgroup=(32 * warps, 1, 1),
         header=cuda_emulation.emulated_mma(qm._HEADER_CUDA),
-        types={"x": "XT", "scales": "ST", "biases": "ST"},
+        types={"x": "XT", "scales": "ST", "biases": "ST", "residual": "XT"},
     )["y"]  # fmt: skip
+
+
+def _bf16_sum(a: np.ndarray, b: mx.array) -> np.ndarray:
+    """a + b as MLX adds two bfloat16 arrays (a holds bfloat16 values as float32)."""
+    return np.array((mx.array(a).astype(mx.bfloat16) + b).astype(mx.float32))
+
+
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_emulated_cuda_product_adds_its_residual_as_mlx_adds(bits):
+    """The residual variant (a layer's h + proj(x) in one launch) stores exactly what the plain
+    product followed by MLX's bf16 add gives, every row of M = 1..8 in its own place."""
+    n, k = 40, 512
+    w, scales, biases = qm.random_quantized(n, k, 64, bits, mx.bfloat16, seed=11 + bits)
+    x = mx.random.normal((8, k), key=mx.random.key(12)).astype(mx.bfloat16)
+    r = (mx.random.normal((8, n), key=mx.random.key(13)) * 4).astype(mx.bfloat16)
+    plain = _cuda_qmm(x, w, scales, biases, 64, bits)
+    for m in (1, 3, 8):
+        got = _cuda_qmm(x[:m], w, scales, biases, 64, bits, residual=r[:m])
+        assert np.array_equal(got, _bf16_sum(plain[:m], r[:m])), f"M={m}"
+    assert not np.array_equal(got, plain)  # the residual is really there
+
+
+def test_emulated_metal_product_adds_its_residual():
+    rng = np.random.default_rng(14)
+    w, scales, biases = mx.quantize(mx.array(rng.standard_normal((40, 512), dtype=np.float32)),
+                                    group_size=64, bits=4)  # fmt: skip
+    arrays = [np.array(a) for a in (w, scales, biases)]
+    x = rng.standard_normal((3, 512), dtype=np.float32)
+    r = rng.standard_normal((3, 40), dtype=np.float32)
+    got = _metal_qmm(x, *arrays, 64, 4, residual=r)
+    np.testing.assert_array_equal(got, _metal_qmm(x, *arrays, 64, 4) + r)  # float: one rounding
 
 
 @pytest.mark.parametrize("bits", qm.BITS)

@@ -19,15 +19,20 @@ PROMPTS = [[7], [72, 101, 108, 108, 111, 32, 119], [(i * 13) % 250 for i in rang
 # mlx-lm cannot run an unquantized (bf16) MoE on MLX's CPU backend at all (gather_mm is
 # float32-only there); our loader upcasts those experts, so that pair has no mlx-lm reference.
 @pytest.mark.parametrize(
-    "moe,bits,layout,predictable",
-    [(False, None, "mlx", None), (False, 4, "mlx", None), (False, 8, "mlx", None),
-     (True, 4, "mlx", None), (False, None, "raw", None), (False, 4, "mlx", 0.45)],
-    ids=["bf16", "4bit", "8bit", "moe-4bit", "raw-bf16", "4bit-predictable"],
+    "moe,bits,layout,predictable,qmm",
+    [(False, None, "mlx", None, "auto"), (False, 4, "mlx", None, "auto"),
+     (False, 8, "mlx", None, "auto"), (True, 4, "mlx", None, "auto"),
+     (False, None, "raw", None, "auto"), (False, 4, "mlx", 0.45, "auto"),
+     (False, 4, "mlx", None, "ours")],
+    ids=["bf16", "4bit", "8bit", "moe-4bit", "raw-bf16", "4bit-predictable", "4bit-our-layers"],
 )  # fmt: skip
 @pytest.mark.parametrize("kernel_mode", ["auto", "ops"])
 def test_classic_tokens_equal_mlx_lm_greedy(ckpts, monkeypatch, moe, bits, layout, predictable,
-                                            kernel_mode):  # fmt: skip
+                                            qmm, kernel_mode):  # fmt: skip
+    """qmm "ours": our product's layers installed, whose reference path on the CPU (the
+    residual added after the product, as MLX adds it) must still give mlx-lm's tokens."""
     monkeypatch.setitem(kernels._state, "mode", kernel_mode)
+    monkeypatch.setitem(kernels._state, "qmm", qmm)
     path = ckpts.target(moe=moe, bits=bits, layout=layout, predictable=predictable, seed=3)
     theirs_model, _ = load_model(path)
     ours = load_target(path, load_config(path))

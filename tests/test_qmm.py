@@ -124,6 +124,53 @@ def test_a_kernel_whose_rows_depend_on_m_is_refused(monkeypatch):
         qm.quantized_matmul(x[:1], w, s, b, group_size=64, bits=4)
 
 
+def _with_residual(native):
+    """A stand-in native kernel that honours ``residual`` as the real one does."""
+
+    def run(x, *a, residual=None, **kw):
+        y = native(x, *a, **kw)
+        return y if residual is None else residual + y
+
+    return run
+
+
+def _linear(w, s, b) -> nn.QuantizedLinear:
+    layer = nn.QuantizedLinear(w.shape[1] * 8, w.shape[0], bias=False, group_size=64, bits=4)
+    layer.weight, layer.scales, layer.biases = w, s, b
+    qm.install(layer)
+    return layer
+
+
+def test_linear_add_lets_the_product_add_the_residual(monkeypatch):
+    calls = []
+
+    def native(x, *a, **kw):
+        calls.append("residual" in kw)
+        return _with_residual(_reference_rows)(x, *a, **kw)
+
+    _pretend_gpu(monkeypatch, native)
+    x, w, s, b = _layer_inputs()
+    layer = _linear(w, s, b)
+    h = mx.random.normal((1, 3, 40), key=mx.random.key(5)).astype(mx.bfloat16)
+    y = qm.linear_add(layer, x[:3].reshape(1, 3, -1), h)
+    assert calls[-1] is True  # one launch, the residual passed in
+    want = h + _reference_rows(x[:3], w, s, b, group_size=64, bits=4).reshape(1, 3, -1)
+    assert mx.array_equal(y, want).item()
+    monkeypatch.setattr(qm, "FUSE_RESIDUAL", False)
+    assert mx.array_equal(qm.linear_add(layer, x[:3].reshape(1, 3, -1), h), want).item()
+    assert calls[-1] is False  # the switch: the product, then MLX's add
+
+
+def test_a_residual_kernel_that_drops_the_residual_is_refused(monkeypatch):
+    _pretend_gpu(monkeypatch, lambda x, *a, residual=None, **kw: _reference_rows(x, *a, **kw))
+    x, w, s, b = _layer_inputs()
+    h = mx.ones((2, 40), mx.bfloat16)
+    with pytest.warns(RuntimeWarning, match="quantized_matmul_add kernel disagrees"):
+        y = qm.quantized_matmul(x[:2], w, s, b, group_size=64, bits=4, residual=h)
+    want = h + qm.quantized_matmul_ops(x[:2], w, s, b, group_size=64, bits=4)
+    assert mx.array_equal(y, want).item()
+
+
 def test_unsupported_layouts_and_row_counts_take_the_reference(monkeypatch):
     calls = []
 
@@ -158,6 +205,21 @@ def test_cuda_kernel_matches_reference_and_rows_are_bitwise_m_invariant(bits, gs
         part = qm.quantized_matmul_native(x[:m], w, s, b, **kw)
         assert part.shape == (m, 72) and part.dtype == dtype
         assert mx.array_equal(part, full[:m]).item(), f"M={m}"
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_cuda_residual_variant_is_the_product_plus_mlx_add_bitwise(dtype):
+    """h + proj(x) in one launch gives the bits of our product followed by MLX's add, so
+    fusing the residual changes no token."""
+    x, w, s, b = _layer_inputs(n=72, k=2048, dtype=dtype, seed=21)
+    r = (mx.random.normal((8, 72), key=mx.random.key(22)) * 4).astype(dtype)
+    kw = {"group_size": 64, "bits": 4}
+    assert qm._self_check(dtype, dtype, 64, 4, residual=True) is None
+    for m in range(1, 9):
+        fused = qm.quantized_matmul_native(x[:m], w, s, b, residual=r[:m], **kw)
+        plain = qm.quantized_matmul_native(x[:m], w, s, b, **kw)
+        assert mx.array_equal(fused, r[:m] + plain).item(), f"M={m}"
 
 
 @cuda

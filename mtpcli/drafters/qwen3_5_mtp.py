@@ -18,7 +18,13 @@ from mlx_lm.models.cache import KVCache
 from .. import kernels
 from ..config import ModelConfig
 from ..kernels import quantized_matmul
-from ..models.qwen3_5 import LayerFunctions, attention_core, attention_post, attention_pre
+from ..models.qwen3_5 import (
+    LayerFunctions,
+    attention_core,
+    attention_post,
+    attention_pre,
+    residual_mlp,
+)
 from ..weights import load_arrays, load_module_weights, sanitize_drafter
 
 
@@ -62,7 +68,9 @@ class Qwen35MTPDrafter:
         for i, (layer, c) in enumerate(zip(m.layers, cache, strict=True)):
             q, k, v, gate = fns.get(("pre", i), lambda ly=layer: attention_pre(ly), compiled)(h)
             o = attention_core(layer.self_attn, q, k, v, mask, c)
-            post = fns.get(("post", i), lambda ly=layer: attention_post(ly, ly.mlp), compiled)
+            post = fns.get(
+                ("post", i), lambda ly=layer: attention_post(ly, residual_mlp(ly.mlp)), compiled
+            )
             h = post(h, o, gate)
         fns.end(L)
         return m.norm(h)

@@ -270,30 +270,48 @@ _METAL_SOURCE = """
     }
 """
 
+# The residual variant adds a residual [M, N] (x's dtype) to the rounded product in its store,
+# as MLX's add would (float sum of two x-dtype values, rounded once): a layer's ``h + proj(x)``
+# in one launch instead of two, with the same bits.
+_STORE = "= static_cast<XT>(acc);"
+_STORE_ADD = (
+    "= static_cast<XT>(static_cast<float>(static_cast<XT>(acc))\n"
+    "            + static_cast<float>(residual[(size_t)m * N + row]));"
+)
+
+
+def with_residual(source: str) -> str:
+    """A product's source with the residual added in its store (CUDA or Metal)."""
+    assert source.count(_STORE) == 1, "the product's store is not where it was"
+    return source.replace(_STORE, _STORE_ADD)
+
+
 _INPUTS = ["x", "w", "scales", "biases"]
 _kernels: dict = {}
 
 
-def _spec(source: str, header: str) -> dict:
+def _spec(source: str, header: str, residual: bool = False) -> dict:
+    if residual:
+        source = with_residual(source)
     return {
-        "name": kernel_name("mtp_qmm", source, header),
-        "input_names": _INPUTS,
+        "name": kernel_name("mtp_qmm_add" if residual else "mtp_qmm", source, header),
+        "input_names": _INPUTS + (["residual"] if residual else []),
         "output_names": ["y"],
         "source": source,
         "header": header,
     }
 
 
-def _build_cuda(header: str = _HEADER_CUDA):
+def _build_cuda(header: str = _HEADER_CUDA, residual: bool = False):
     if not available("cuda"):
         return None
-    return mx.fast.cuda_kernel(**_spec(_CUDA_SOURCE, header))
+    return mx.fast.cuda_kernel(**_spec(_CUDA_SOURCE, header, residual))
 
 
-def _build_metal():
+def _build_metal(residual: bool = False):
     if not available("metal"):
         return None
-    return mx.fast.metal_kernel(**_spec(_METAL_SOURCE, ""))
+    return mx.fast.metal_kernel(**_spec(_METAL_SOURCE, "", residual))
 
 
 def launch_bounds(warps: int, min_blocks: int) -> str:
@@ -305,26 +323,28 @@ def launch_bounds(warps: int, min_blocks: int) -> str:
             f"__launch_bounds__({32 * warps}, {min_blocks})\n")  # fmt: skip
 
 
-def _kernel(warps: int = WARPS, min_blocks: int | None = None):
+def _kernel(warps: int = WARPS, min_blocks: int | None = None, residual: bool = False):
     if min_blocks is None:
-        return built(_kernels, (), _build_cuda, _build_metal)
+        return built(_kernels, (residual,), lambda: _build_cuda(residual=residual),
+                     lambda: _build_metal(residual))  # fmt: skip
     header = _HEADER_CUDA + launch_bounds(warps, min_blocks)
-    return built(_kernels, ("bounds", warps, min_blocks), lambda: _build_cuda(header), _build_metal)
+    return built(_kernels, ("bounds", warps, min_blocks, residual),
+                 lambda: _build_cuda(header, residual), lambda: _build_metal(residual))  # fmt: skip
 
 
 def quantized_matmul_native(
-    x, w, scales, biases, *, group_size: int, bits: int, warps: int = WARPS,
-    min_blocks: int | None = None,
+    x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None,
+    warps: int = WARPS, min_blocks: int | None = None,
 ):  # fmt: skip
-    """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype; None where there is none.
-    ``warps`` and ``min_blocks`` (launch bounds, CUDA) are for benchmarks
-    (scripts/bench_qmm.py)."""
-    kernel = _kernel(warps, min_blocks)
+    """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype (plus ``residual`` [M, N],
+    x's dtype, if given); None where there is none. ``warps`` and ``min_blocks`` (launch
+    bounds, CUDA) are for benchmarks (scripts/bench_qmm.py)."""
+    kernel = _kernel(warps, min_blocks, residual is not None)
     if kernel is None:
         return None
     M, N = x.shape[0], w.shape[0]
     return kernel(
-        inputs=[x, w, scales, biases],
+        inputs=[x, w, scales, biases] + ([residual] if residual is not None else []),
         template=[
             ("XT", x.dtype),
             ("ST", scales.dtype),
@@ -351,15 +371,20 @@ def random_quantized(n: int, k: int, group_size: int, bits: int, dtype, seed: in
     return w, scales, biases
 
 
-def _self_check(dtype, sdtype, group_size: int, bits: int) -> str | None:
-    """Agreement with the reference and row invariance (M = 1, 3, 8), on 40 rows of K = 1024."""
+def _self_check(dtype, sdtype, group_size: int, bits: int, residual: bool = False) -> str | None:
+    """Agreement with the reference and row invariance (M = 1, 3, 8), on 40 rows of K = 1024
+    (``residual``: of the variant that adds one)."""
     n, k = 40, 1024  # 40 rows: a partial last tile
     w, scales, biases = random_quantized(n, k, group_size, bits, sdtype, seed=7)
     x = mx.random.normal((8, k), key=mx.random.key(8)).astype(dtype)
+    r = mx.random.normal((8, n), key=mx.random.key(9)).astype(dtype) if residual else None
     kw = {"group_size": group_size, "bits": bits}
     try:
-        got = {m: quantized_matmul_native(x[:m], w, scales, biases, **kw) for m in (1, 3, 8)}
+        extra = (lambda m: {}) if r is None else (lambda m: {"residual": r[:m]})
+        got = {m: quantized_matmul_native(x[:m], w, scales, biases, **kw, **extra(m))
+               for m in (1, 3, 8)}  # fmt: skip
         want = quantized_matmul_ops(x, w, scales, biases, **kw)
+        want = want if r is None else r + want
         mx.eval(got, want)
     except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
         return f"{type(e).__name__}: {e}"
@@ -385,26 +410,50 @@ def supported(x: mx.array, w: mx.array, group_size: int, bits: int) -> bool:
     )
 
 
-def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int) -> mx.array:
-    """x [..., K] times the dequantized w [N, K] transposed, on the best trusted path."""
-    rows = math.prod(x.shape[:-1])
+def quantized_matmul(
+    x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None
+) -> mx.array:
+    """x [..., K] times the dequantized w [N, K] transposed (plus ``residual`` [..., N], if
+    given), on the best trusted path."""
+    rows, n = math.prod(x.shape[:-1]), w.shape[0]
+    add = residual is not None
+    if add and (residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype):
+        return residual + quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
     if (
         backend() != "cpu"
         and 1 <= rows <= MAX_ROWS
         and biases is not None
         and supported(x, w, group_size, bits)
         and use_native(
-            "quantized_matmul",
+            "quantized_matmul_add" if add else "quantized_matmul",
             (backend(), str(x.dtype), str(scales.dtype), group_size, bits),
-            lambda: _self_check(x.dtype, scales.dtype, group_size, bits),
+            lambda: _self_check(x.dtype, scales.dtype, group_size, bits, add),
         )
     ):
+        extra = {"residual": residual.reshape(rows, n)} if add else {}
         out = quantized_matmul_native(
-            x.reshape(rows, x.shape[-1]), w, scales, biases, group_size=group_size, bits=bits
-        )
+            x.reshape(rows, x.shape[-1]), w, scales, biases, group_size=group_size, bits=bits,
+            **extra,
+        )  # fmt: skip
         if out is not None:
-            return out.reshape(*x.shape[:-1], w.shape[0])
-    return quantized_matmul_ops(x, w, scales, biases, group_size=group_size, bits=bits)
+            return out.reshape(*x.shape[:-1], n)
+    y = quantized_matmul_ops(x, w, scales, biases, group_size=group_size, bits=bits)
+    return residual + y if add else y
+
+
+# Whether ``linear_add`` lets our product add the residual (benchmarks turn it off to compare).
+FUSE_RESIDUAL = True
+
+
+def linear_add(layer: nn.Module, x: mx.array, residual: mx.array) -> mx.array:
+    """``residual + layer(x)``: one launch where ``layer`` runs through our product, which adds
+    the residual in its store with MLX's rounding; otherwise the two ops."""
+    if FUSE_RESIDUAL and type(layer) is KernelQuantizedLinear and "bias" not in layer:
+        return quantized_matmul(
+            x, layer["weight"], layer["scales"], layer.get("biases"),
+            group_size=layer.group_size, bits=layer.bits, residual=residual,
+        )  # fmt: skip
+    return residual + layer(x)
 
 
 class KernelQuantizedLinear(nn.QuantizedLinear):

@@ -114,9 +114,12 @@ def _equal(a, b) -> bool:
     return bool(mx.array_equal(a, b).item())
 
 
-def _gated_delta(m: qwen3_5.GatedDeltaNet, x, conv_state, state, keep: bool, fused=None):
+def _gated_delta(
+    m: qwen3_5.GatedDeltaNet, x, conv_state, state, keep: bool, fused=None, residual=None
+):
     """The gated-delta mixer on normed x [B, S, H], pure: returns
-    (out [B, S, H], conv_input [B, K-1+S, C], new conv window, state, states if ``keep``)."""
+    (out [B, S, H], conv_input [B, K-1+S, C], new conv window, state, states if ``keep``);
+    with ``residual`` [B, S, H], out is residual + the mixer's output."""
     B, S, _ = x.shape
     if fused is not None:  # the four input projections in one product
         qkv, z, b, a = fused.split(fused(x))
@@ -134,7 +137,11 @@ def _gated_delta(m: qwen3_5.GatedDeltaNet, x, conv_state, state, keep: bool, fus
     # q/k normalisation, the decay and beta (mlx-lm's), then the recurrence: one launch where
     # a native kernel runs. Its T steps equal T one-step calls bitwise (chain parity).
     y, state, states = gated_delta_raw(q, k, v, a, b, m.A_log, m.dt_bias, state, keep_states=keep)
-    out = m.out_proj(m.norm(y, z).reshape(B, S, -1))
+    yz = m.norm(y, z).reshape(B, S, -1)
+    if residual is None:
+        out = m.out_proj(yz)
+    else:  # one launch where our product runs
+        out = quantized_matmul.linear_add(m.out_proj, yz, residual)
     return (out, conv_input, window, state) + ((states,) if keep else ())
 
 
@@ -201,19 +208,26 @@ def attention_pre(layer: nn.Module, fused: FusedProjection | None = None) -> Cal
     return lambda h: _attention_pre(layer.self_attn, layer.input_layernorm(h), fused)
 
 
-def attention_post(layer: nn.Module, mlp: Callable) -> Callable:
-    """(h, attention output, gate) -> the layer's output: o_proj, residual, MLP block."""
+def attention_post(layer: nn.Module, mlp_add: Callable) -> Callable:
+    """(h, attention output, gate) -> the layer's output: o_proj, residual, MLP block
+    (``mlp_add(x, h)`` is h + the MLP of x)."""
 
     def post(h, o, gate):
-        h = h + layer.self_attn.o_proj(o * mx.sigmoid(gate))
-        return h + mlp(layer.post_attention_layernorm(h))
+        h = quantized_matmul.linear_add(layer.self_attn.o_proj, o * mx.sigmoid(gate), h)
+        return mlp_add(layer.post_attention_layernorm(h), h)
 
     return post
 
 
-def _mlp(fused: FusedProjection, down: nn.Module) -> Callable[[mx.array], mx.array]:
-    """mlx-lm's dense MLP with gate and up as one product."""
-    return lambda x: down(swiglu(*fused.split(fused(x))))
+def residual_mlp(mlp: nn.Module) -> Callable[[mx.array, mx.array], mx.array]:
+    """(x, h) -> h + mlp(x), for an MLP module as mlx-lm has it."""
+    return lambda x, h: h + mlp(x)
+
+
+def _mlp(fused: FusedProjection, down: nn.Module) -> Callable[[mx.array, mx.array], mx.array]:
+    """(x, h) -> h + mlx-lm's dense MLP of x, with gate and up as one product and the residual
+    added by the down projection's product."""
+    return lambda x, h: quantized_matmul.linear_add(down, swiglu(*fused.split(fused(x))), h)
 
 
 class Qwen35Target:
@@ -283,20 +297,19 @@ class Qwen35Target:
     def _fn(self, kind: str, i: int, keep: bool = False, compiled: bool = False) -> Callable:
         """Layer ``i``'s ``kind`` part ("linear", "pre" or "post") as a pure function."""
         layer = self.layers[i]
-        mlp = self.fused_mlp.get(i, layer.mlp)
+        mlp_add = self.fused_mlp.get(i) or residual_mlp(layer.mlp)
 
         def make() -> Callable:
             if kind == "pre":
                 return attention_pre(layer, self.fused_in.get(i))
             if kind == "post":
-                return attention_post(layer, mlp)
+                return attention_post(layer, mlp_add)
             fused = self.fused_in.get(i)
 
             def linear(h, conv_state, state):
                 x = layer.input_layernorm(h)
-                r, *rest = _gated_delta(layer.linear_attn, x, conv_state, state, keep, fused)
-                h = h + r
-                return (h + mlp(layer.post_attention_layernorm(h)), *rest)
+                h, *rest = _gated_delta(layer.linear_attn, x, conv_state, state, keep, fused, h)
+                return (mlp_add(layer.post_attention_layernorm(h), h), *rest)
 
             return linear
 
