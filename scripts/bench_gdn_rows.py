@@ -3,6 +3,12 @@
     python scripts/bench_gdn_rows.py --rows 1 2 4 8 --repeats 25 --out DIR
     ncu --csv --metrics gpu__time_duration.sum -k regex:gated_delta \
         python scripts/bench_gdn_rows.py --launches-only
+    git show REV:mtpcli/kernels/gated_delta.py > /tmp/gd_rev.py
+    python scripts/bench_gdn_rows.py --rows 4 --baseline /tmp/gd_rev.py
+
+``--baseline FILE`` adds arms run by another version of ``mtpcli/kernels/gated_delta.py`` (an
+earlier commit's), side by side with this one in the same process: their kernel names differ
+with their sources, so MLX compiles and caches each apart.
 
 The whole gated-delta part (raw inputs: q/k normalisation, gates, recurrence, per-step states
 when kept) of 48 independent layers of the 27B shape, bf16, as one ``mx.compile``d call, 8
@@ -15,6 +21,7 @@ profiler's kernel durations (free of launch costs). Needs a GPU backend (CUDA he
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -41,22 +48,35 @@ def _inputs(T: int, layers: int):
 A_LOG, DT_BIAS = mx.zeros((HV,)), mx.ones((HV,), dtype=mx.bfloat16)
 
 
-def _arm(rows: int, keep: bool):
+def _load_baseline(path: Path):
+    """Another version of the gated-delta module, imported beside ours (same package)."""
+    spec = importlib.util.spec_from_file_location("mtpcli.kernels._gd_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _arm(mod, rows: int, keep: bool):
     def every_layer(q, k, v, a, b, *states):
-        gd._ROWS = rows  # read while tracing: each arm's trace keeps its own launch shape
-        outs = [gd.gated_delta_raw_native(q, k, v, a, b, A_LOG, DT_BIAS, s, keep_states=keep)
+        mod._ROWS = rows  # read while tracing: each arm's trace keeps its own launch shape
+        outs = [mod.gated_delta_raw_native(q, k, v, a, b, A_LOG, DT_BIAS, s, keep_states=keep)
                 for s in states]  # fmt: skip
         return [o[1] for o in outs], [x for o in outs for x in o if x is not None]
 
     return mx.compile(every_layer)
 
 
-def side_by_side(rows: list[int], ts: list[int], repeats: int) -> dict:
+def _modules(baseline) -> dict:
+    return {"": gd} | ({"baseline_": baseline} if baseline else {})
+
+
+def side_by_side(rows: list[int], ts: list[int], repeats: int, baseline=None) -> dict:
     res: dict = {"ms_48_layers": {}, "final_states_equal_first_arm": {}}
     for T in ts:
         xs, states = _inputs(T, LAYERS)
         for keep in (False,) if T == 1 else (False, True):
-            arms = {f"rows_{r}": _arm(r, keep) for r in rows}
+            arms = {f"{p}rows_{r}": _arm(m, r, keep) for p, m in _modules(baseline).items()
+                    for r in rows}  # fmt: skip
             finals = {}
             for name, fn in arms.items():  # trace, warm up
                 finals[name] = fn(*xs, *states)[0]
@@ -85,16 +105,17 @@ def side_by_side(rows: list[int], ts: list[int], repeats: int) -> dict:
     return res
 
 
-def launches_only(rows: list[int], ts: list[int]) -> None:
+def launches_only(rows: list[int], ts: list[int], baseline=None) -> None:
     for T in ts:
         xs, states = _inputs(T, 1)
-        for r in rows:
-            gd._ROWS = r
-            for keep in (False,) if T == 1 else (False, True):
-                for _ in range(3):
-                    mx.eval(gd.gated_delta_raw_native(*xs, A_LOG, DT_BIAS, states[0],
-                                                      keep_states=keep))  # fmt: skip
-                print(f"T={T} rows={r} keep={keep}: 3 launches", flush=True)
+        for prefix, mod in _modules(baseline).items():
+            for r in rows:
+                mod._ROWS = r
+                for keep in (False,) if T == 1 else (False, True):
+                    for _ in range(3):
+                        mx.eval(mod.gated_delta_raw_native(*xs, A_LOG, DT_BIAS, states[0],
+                                                           keep_states=keep))  # fmt: skip
+                    print(f"T={T} {prefix}rows={r} keep={keep}: 3 launches", flush=True)
 
 
 def main() -> None:
@@ -104,15 +125,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--launches-only", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another version of mtpcli/kernels/gated_delta.py, run as extra arms",
+    )
     args = ap.parse_args()
+    baseline = _load_baseline(args.baseline) if args.baseline else None
     if gd._kernel(False, raw=True) is None:
         raise SystemExit("needs a GPU backend with a native gated-delta kernel")
     if args.launches_only:
-        launches_only(args.rows, args.ts)
+        launches_only(args.rows, args.ts, baseline)
         return
-    res = side_by_side(args.rows, args.ts, args.repeats)
+    res = side_by_side(args.rows, args.ts, args.repeats, baseline)
     res |= {"device": str(mx.device_info().get("device_name", "")), "mlx": mx.__version__,
-            "repeats": args.repeats, "chain": CHAIN, "load_after": os.getloadavg()}  # fmt: skip
+            "repeats": args.repeats, "chain": CHAIN, "load_after": os.getloadavg(),
+            "baseline": str(args.baseline) if args.baseline else None}  # fmt: skip
     print(json.dumps(res, indent=1))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
