@@ -108,6 +108,13 @@ class RowPolicy:
         return self.choose((sig, T, str(xs[0].dtype)), lambda: fn(*xs), single, probe)
 
 
+def _dense(module: nn.Module) -> bool:
+    """Whether ``module`` runs an unquantized matmul (a Linear, or a tied Embedding as head)."""
+    if isinstance(module, nn.Embedding):
+        return True
+    return any(isinstance(m, nn.Linear) for _, m in module.named_modules())
+
+
 def _equal(a, b) -> bool:
     if isinstance(a, tuple):
         return all(_equal(x, y) for x, y in zip(a, b, strict=True))
@@ -253,6 +260,15 @@ class Qwen35Target:
         gpu = kernels.backend() != "cpu"
         moe = qwen3_5.SparseMoeBlock
         self.routed_on_gpu = [gpu and isinstance(ly.mlp, moe) for ly in self.layers]
+        # Nor are layers with a dense (unquantized) product probed on a GPU: MLX's bf16 matmuls
+        # are not row-invariant on CUDA (docs/design.md), yet on small products three probes
+        # can pass and a later block differ (the H200 showed it on the bf16 test model, 63-195
+        # tokens into 4 of 6 prompts). They run position by position in a verify, as decode.
+        self.unprobed = [
+            r or (gpu and _dense(ly)) for r, ly in zip(self.routed_on_gpu, self.layers, strict=True)
+        ]
+        head = self.embed_tokens if config.text.tie_word_embeddings else self.text.lm_head
+        self.head_unprobed = gpu and _dense(head)
 
     def _fuse(self) -> tuple[dict, dict]:
         """Per layer: the input projections (gated-delta: qkv, z, b, a; attention: q, k, v),
@@ -290,9 +306,11 @@ class Qwen35Target:
         """Logits [B, T, V] from final-normed hidden states [B, T, H]; ``exact`` as in a verify."""
         if self.config.text.tie_word_embeddings:
             embed = self.embed_tokens
-            return self.policy.rows(embed.as_linear, (hidden,), exact, self.policy.signature(embed))
+            return self.policy.rows(embed.as_linear, (hidden,), exact, self.policy.signature(embed),
+                                    not self.head_unprobed)  # fmt: skip
         head = self.text.lm_head
-        return self.policy.rows(head, (hidden,), exact, self.policy.signature(head))
+        return self.policy.rows(head, (hidden,), exact, self.policy.signature(head),
+                                not self.head_unprobed)  # fmt: skip
 
     def _fn(self, kind: str, i: int, keep: bool = False, compiled: bool = False) -> Callable:
         """Layer ``i``'s ``kind`` part ("linear", "pre" or "post") as a pure function."""
@@ -343,7 +361,7 @@ class Qwen35Target:
             out = batched(h, conv_state, state)
         else:
             out = self.policy.choose(key, lambda: batched(h, conv_state, state), single,
-                                     probe=not self.routed_on_gpu[i])  # fmt: skip
+                                     probe=not self.unprobed[i])  # fmt: skip
         h, conv_input, cache[0], cache[1], states = out
         return h, GatedDeltaTrace(conv_input, states)
 
@@ -352,7 +370,7 @@ class Qwen35Target:
         m, policy = layer.self_attn, self.policy
         sig = policy.signature(layer)
         pre, post = self._fn("pre", i, compiled=compiled), self._fn("post", i, compiled=compiled)
-        q, k, v, gate = policy.rows(pre, (h,), verify, (sig, "pre"))
+        q, k, v, gate = policy.rows(pre, (h,), verify, (sig, "pre"), not self.unprobed[i])
         if not verify or T == 1 or mx.default_device() == mx.cpu:
             # MLX's CPU attention is row-invariant by construction (masked keys add exact zeros).
             o = attention_core(m, q, k, v, mask, cache)
@@ -362,7 +380,7 @@ class Qwen35Target:
             o = mx.concatenate(
                 [attention_core(m, *(x[:, t : t + 1] for x in (q, k, v)), None, cache)
                  for t in range(T)], axis=1)  # fmt: skip
-        return policy.rows(post, (h, o, gate), verify, (sig, "post"), not self.routed_on_gpu[i])
+        return policy.rows(post, (h, o, gate), verify, (sig, "post"), not self.unprobed[i])
 
     def forward(self, tokens: mx.array, cache: list, *, verify: bool = False) -> ForwardOut:
         """Run tokens [B, T] through the decoder, appending to ``cache``.
