@@ -13,6 +13,8 @@ with min-max. Writes <out>/<name>.json and .md.
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import json
 import os
 import platform
@@ -207,10 +209,11 @@ def _compile(choice: str) -> Iterator[None]:
 
 
 def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = None) -> dict:
-    """Classic decode tok/s on the same weights: ours (as loaded, with the convolution as
-    mlx-lm's ops, with the residual adds apart from the products, and without mx.compile),
-    ours without the fused projections, ours on MLX's own quantized matmul (compiled and not),
-    and mlx-lm's generate_step (``names``: a subset).
+    """Classic decode tok/s on the same weights: ours (as loaded, with the garbage collector off,
+    the convolution as mlx-lm's ops, the residual adds apart from the products, and without
+    mx.compile), ours without the fused projections, ours on MLX's own quantized matmul
+    (compiled and not), and mlx-lm's generate_step (``names``: a subset), with each run's
+    token intervals (``token_ms``).
     Interleaved: each repeat runs every arm once, after one untimed run under its setting (a
     setting's switch retraces), so a drift of the machine moves all arms alike."""
     from mlx_lm.generate import generate_step
@@ -218,10 +221,16 @@ def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = 
     unfused = tm.Qwen35Target(target.model, target.config, fuse=False)
 
     def rate(gen):
+        """tok/s after the first token, and the token intervals' spread (ms): whether a slow
+        run is slow throughout or stalls now and then."""
         next(gen)
-        t0 = time.perf_counter()
-        k = 1 + sum(1 for _ in gen)
-        return (k - 1) / (time.perf_counter() - t0)
+        stamps = [time.perf_counter()]
+        stamps += [time.perf_counter() for _ in gen]
+        gaps = sorted((b - a) * 1e3 for a, b in itertools.pairwise(stamps))
+        p50 = statistics.median(gaps)
+        spread = {"p10": gaps[len(gaps) // 10], "p50": p50, "p90": gaps[len(gaps) * 9 // 10],
+                  "max": gaps[-1], "over_1.5x_p50": sum(g > 1.5 * p50 for g in gaps)}  # fmt: skip
+        return len(gaps) / (stamps[-1] - stamps[0]), spread
 
     def ours(t):
         return lambda: rate(generate_classic(t, prompt, max_tokens=n))
@@ -229,6 +238,7 @@ def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = 
     # arm -> (setting held over its warm-up and repeats, run)
     arms = {
         "ours": (nullcontext, ours(target)),
+        "ours_no_gc": (_no_gc, ours(target)),
         "ours_conv_ops": (_conv_ops, ours(target)),
         "ours_residual_apart": (_residual_apart, ours(target)),
         "ours_eager": (lambda: _compile("off"), ours(target)),
@@ -241,16 +251,30 @@ def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = 
     }  # fmt: skip
     arms = {k: v for k, v in arms.items() if names is None or k in names}
     vals: dict[str, list[float]] = {name: [] for name in arms}
+    spreads: dict[str, list[dict]] = {name: [] for name in arms}
     for _ in range(repeats):
         for name, (setting, fn) in arms.items():
             with setting():
                 fn()  # warm-up (kernel compilation, tracing)
-                vals[name].append(fn())
+                tps, spread = fn()
+                vals[name].append(tps)
+                spreads[name].append(spread)
     res = {}
     for name, v in vals.items():
-        res[name] = {"median": statistics.median(v), "min": min(v), "max": max(v), "runs": v}
+        res[name] = {"median": statistics.median(v), "min": min(v), "max": max(v), "runs": v,
+                     "token_ms": spreads[name]}  # fmt: skip
         print(f"  {name}: {res[name]['median']:.2f} tok/s", flush=True)
     return res
+
+
+@contextmanager
+def _no_gc() -> Iterator[None]:
+    """Python's garbage collector off over the runs (a host pause shows in a host-bound step)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @contextmanager
@@ -504,6 +528,7 @@ def _markdown(res: dict, args) -> str:
         labels = {"ours": f"ours as run (qmm {res['qmm']}, compiled layer functions)",
                   "ours_conv_ops": "same, the convolution as mlx-lm's four ops",
                   "ours_residual_apart": "same, the residual adds apart from the products",
+                  "ours_no_gc": "same, Python's garbage collector off",
                   "ours_eager": "same, not compiled (op by op)",
                   "ours_unfused": "ours, projections unfused",
                   "ours_mlx_qmm": "ours on MLX's quantized matmul (unfused)",
