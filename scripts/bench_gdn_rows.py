@@ -132,6 +132,8 @@ def main() -> None:
         help="another version of mtpcli/kernels/gated_delta.py, run as extra arms",
     )
     args = ap.parse_args()
+    if args.baseline and not args.baseline.is_file():
+        raise SystemExit(f"--baseline {args.baseline}: no such file")
     baseline = _load_baseline(args.baseline) if args.baseline else None
     if gd._kernel(False, raw=True) is None:
         raise SystemExit("needs a GPU backend with a native gated-delta kernel")

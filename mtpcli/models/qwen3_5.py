@@ -121,12 +121,10 @@ def _equal(a, b) -> bool:
     return bool(mx.array_equal(a, b).item())
 
 
-def _gated_delta(
-    m: qwen3_5.GatedDeltaNet, x, conv_state, state, keep: bool, fused=None, residual=None
-):
-    """The gated-delta mixer on normed x [B, S, H], pure: returns
-    (out [B, S, H], conv_input [B, K-1+S, C], new conv window, state, states if ``keep``);
-    with ``residual`` [B, S, H], out is residual + the mixer's output."""
+def _gated_delta(m: qwen3_5.GatedDeltaNet, x, residual, conv_state, state, keep: bool, fused=None):
+    """The gated-delta mixer on normed x [B, S, H] added to ``residual`` [B, S, H], pure:
+    returns (out [B, S, H], conv_input [B, K-1+S, C], new conv window, state, states if
+    ``keep``)."""
     B, S, _ = x.shape
     if fused is not None:  # the four input projections in one product
         qkv, z, b, a = fused.split(fused(x))
@@ -144,11 +142,8 @@ def _gated_delta(
     # q/k normalisation, the decay and beta (mlx-lm's), then the recurrence: one launch where
     # a native kernel runs. Its T steps equal T one-step calls bitwise (chain parity).
     y, state, states = gated_delta_raw(q, k, v, a, b, m.A_log, m.dt_bias, state, keep_states=keep)
-    yz = m.norm(y, z).reshape(B, S, -1)
-    if residual is None:
-        out = m.out_proj(yz)
-    else:  # one launch where our product runs
-        out = quantized_matmul.linear_add(m.out_proj, yz, residual)
+    # one launch where our product runs
+    out = quantized_matmul.linear_add(m.out_proj, m.norm(y, z).reshape(B, S, -1), residual)
     return (out, conv_input, window, state) + ((states,) if keep else ())
 
 
@@ -267,8 +262,7 @@ class Qwen35Target:
         self.unprobed = [
             r or (gpu and _dense(ly)) for r, ly in zip(self.routed_on_gpu, self.layers, strict=True)
         ]
-        head = self.embed_tokens if config.text.tie_word_embeddings else self.text.lm_head
-        self.head_unprobed = gpu and _dense(head)
+        self.head_unprobed = gpu and _dense(self._head()[0])
 
     def _fuse(self) -> tuple[dict, dict]:
         """Per layer: the input projections (gated-delta: qkv, z, b, a; attention: q, k, v),
@@ -304,13 +298,15 @@ class Qwen35Target:
 
     def lm_head(self, hidden: mx.array, exact: bool = False) -> mx.array:
         """Logits [B, T, V] from final-normed hidden states [B, T, H]; ``exact`` as in a verify."""
-        if self.config.text.tie_word_embeddings:
-            embed = self.embed_tokens
-            return self.policy.rows(embed.as_linear, (hidden,), exact, self.policy.signature(embed),
-                                    not self.head_unprobed)  # fmt: skip
-        head = self.text.lm_head
-        return self.policy.rows(head, (hidden,), exact, self.policy.signature(head),
+        head, product = self._head()
+        return self.policy.rows(product, (hidden,), exact, self.policy.signature(head),
                                 not self.head_unprobed)  # fmt: skip
+
+    def _head(self) -> tuple[nn.Module, Callable[[mx.array], mx.array]]:
+        """The LM head's module and its product (a tied embedding's ``as_linear``)."""
+        if self.config.text.tie_word_embeddings:
+            return self.embed_tokens, self.embed_tokens.as_linear
+        return self.text.lm_head, self.text.lm_head
 
     def _fn(self, kind: str, i: int, keep: bool = False, compiled: bool = False) -> Callable:
         """Layer ``i``'s ``kind`` part ("linear", "pre" or "post") as a pure function."""
@@ -326,7 +322,7 @@ class Qwen35Target:
 
             def linear(h, conv_state, state):
                 x = layer.input_layernorm(h)
-                h, *rest = _gated_delta(layer.linear_attn, x, conv_state, state, keep, fused, h)
+                h, *rest = _gated_delta(layer.linear_attn, x, h, conv_state, state, keep, fused)
                 return (mlp_add(layer.post_attention_layernorm(h), h), *rest)
 
             return linear
