@@ -6,9 +6,10 @@
     git show REV:mtpcli/kernels/gated_delta.py > /tmp/gd_rev.py
     python scripts/bench_gdn_rows.py --rows 4 --baseline /tmp/gd_rev.py
 
-``--baseline FILE`` adds arms run by another version of ``mtpcli/kernels/gated_delta.py`` (an
-earlier commit's), side by side with this one in the same process: their kernel names differ
-with their sources, so MLX compiles and caches each apart.
+``--baseline FILE [FILE ...]`` adds arms run by other versions of
+``mtpcli/kernels/gated_delta.py`` (an earlier commit's, an experiment), named by their file
+stems, side by side with this one in the same process: their kernel names differ with their
+sources, so MLX compiles and caches each apart.
 
 The whole gated-delta part (raw inputs: q/k normalisation, gates, recurrence, per-step states
 when kept) of 48 independent layers of the 27B shape, bf16, as one ``mx.compile``d call, 8
@@ -48,12 +49,15 @@ def _inputs(T: int, layers: int):
 A_LOG, DT_BIAS = mx.zeros((HV,)), mx.ones((HV,), dtype=mx.bfloat16)
 
 
-def _load_baseline(path: Path):
-    """Another version of the gated-delta module, imported beside ours (same package)."""
-    spec = importlib.util.spec_from_file_location("mtpcli.kernels._gd_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _load_baselines(paths: list[Path]) -> dict:
+    """Other versions of the gated-delta module, imported beside ours, by arm prefix."""
+    modules = {}
+    for path in paths:
+        spec = importlib.util.spec_from_file_location(f"mtpcli.kernels._gd_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        modules[f"{path.stem}_"] = module
+    return modules
 
 
 def _arm(mod, rows: int, keep: bool):
@@ -66,8 +70,8 @@ def _arm(mod, rows: int, keep: bool):
     return mx.compile(every_layer)
 
 
-def _modules(baseline) -> dict:
-    return {"": gd} | ({"baseline_": baseline} if baseline else {})
+def _modules(baselines: dict | None) -> dict:
+    return {"": gd} | (baselines or {})
 
 
 def side_by_side(rows: list[int], ts: list[int], repeats: int, baseline=None) -> dict:
@@ -128,13 +132,15 @@ def main() -> None:
     ap.add_argument(
         "--baseline",
         type=Path,
-        default=None,
-        help="another version of mtpcli/kernels/gated_delta.py, run as extra arms",
+        nargs="+",
+        default=[],
+        help="other versions of mtpcli/kernels/gated_delta.py, run as extra arms",
     )
     args = ap.parse_args()
-    if args.baseline and not args.baseline.is_file():
-        raise SystemExit(f"--baseline {args.baseline}: no such file")
-    baseline = _load_baseline(args.baseline) if args.baseline else None
+    for path in args.baseline:
+        if not path.is_file():
+            raise SystemExit(f"--baseline {path}: no such file")
+    baseline = _load_baselines(args.baseline)
     if gd._kernel(False, raw=True) is None:
         raise SystemExit("needs a GPU backend with a native gated-delta kernel")
     if args.launches_only:
@@ -143,7 +149,7 @@ def main() -> None:
     res = side_by_side(args.rows, args.ts, args.repeats, baseline)
     res |= {"device": str(mx.device_info().get("device_name", "")), "mlx": mx.__version__,
             "repeats": args.repeats, "chain": CHAIN, "load_after": os.getloadavg(),
-            "baseline": str(args.baseline) if args.baseline else None}  # fmt: skip
+            "baseline": [str(p) for p in args.baseline]}  # fmt: skip
     print(json.dumps(res, indent=1))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
