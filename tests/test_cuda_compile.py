@@ -69,7 +69,8 @@ def test_gated_delta_kernel_compiles_without_spills(tmp_path, keep, raw, dtype):
     types = dict.fromkeys(names, dtype) | {"state_in": F32}
     types |= {"A_log": F32, "dt_bias": BF16} if raw else {"g": F32, "beta": F32}
     outputs = {"y": dtype, "state_out": F32} | ({"states": F32} if keep else {})
-    constants = {"InT": dtype, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48, "R": gd._ROWS}
+    constants = {"InT": dtype, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48, "R": gd._ROWS,
+                 "WARPS": gd._WARPS}  # fmt: skip
     constants |= {"AT": F32, "DT": BF16} if raw else {}
     report = _compile(tmp_path, _wrap(gd._source(False, keep, raw), "", types, outputs, constants))
     assert _no_spills(report), report
@@ -129,7 +130,7 @@ def test_a_source_error_is_caught(tmp_path):
     source = gd._source(False, True, True).replace("kv[r] = 0.0f;", "kv[r] = undefined_name;")
     code = _wrap(source, "", dict.fromkeys(gd._INPUTS[True], F32), {"y": F32, "state_out": F32,
                  "states": F32}, {"InT": F32, "AT": F32, "DT": F32, "Dk": 128, "Dv": 128,
-                 "Hk": 16, "Hv": 48, "R": 4})  # fmt: skip
+                 "Hk": 16, "Hv": 48, "R": 4, "WARPS": 4})  # fmt: skip
     with pytest.raises(AssertionError, match="undefined_name"):
         _compile(tmp_path, code)
 
@@ -138,7 +139,7 @@ def test_a_kernel_that_spills_is_caught(tmp_path):
     """The spill check is real: 64 value rows per warp need more than 255 registers."""
     types = dict.fromkeys(gd._INPUTS[True], BF16) | {"state_in": F32, "A_log": F32}
     constants = {"InT": BF16, "AT": F32, "DT": BF16, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48,
-                 "R": 64}  # fmt: skip
+                 "R": 64, "WARPS": 4}  # fmt: skip
     outputs = {"y": BF16, "state_out": F32, "states": F32}
     report = _compile(tmp_path, _wrap(gd._source(False, True, True), "", types, outputs, constants))
     assert not _no_spills(report)

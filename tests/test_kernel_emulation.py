@@ -56,9 +56,8 @@ def _emulate(x: dict, keep: bool, rows: int = gd._ROWS, source: str | None = Non
         source or gd._source(False, keep, raw),
         x,
         outputs,
-        {"Dk": DK, "Dv": dv, "Hk": HK, "Hv": HV, "R": rows},
-        grid=(32, dv // rows, HV),
-        threadgroup=(32, 4, 1),
+        {"Dk": DK, "Dv": dv, "Hk": HK, "Hv": HV, "R": rows, "WARPS": gd._WARPS},
+        *gd._geometry(1, HV, dv, rows),
     )
     return list(out.values())
 
@@ -78,7 +77,7 @@ def _reference(x: dict, keep: bool) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("inputs", [_raw_inputs, _plain_inputs], ids=["raw", "plain"])
-@pytest.mark.parametrize("T, keep", [(1, False), (3, True), (5, True), (3, False)])
+@pytest.mark.parametrize("T, keep", [(1, False), (3, True), (5, True), (3, False), (11, True)])
 def test_emulated_kernel_matches_the_reference(inputs, T, keep):
     x = inputs(T, seed=T)
     got, want = _emulate(x, keep=keep), _reference(x, keep=keep)
@@ -87,9 +86,11 @@ def test_emulated_kernel_matches_the_reference(inputs, T, keep):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
-def test_emulated_kernel_keeps_chain_parity():
-    """T steps in one launch equal T one-step launches bitwise, outputs and states."""
-    _assert_chain_parity(_raw_inputs(4, seed=7), _emulate)
+@pytest.mark.parametrize("T", [4, 10])
+def test_emulated_kernel_keeps_chain_parity(T):
+    """T steps in one launch equal T one-step launches bitwise, outputs and states (10 steps
+    span two of the kernel's chunks of 8)."""
+    _assert_chain_parity(_raw_inputs(T, seed=7), _emulate)
 
 
 def _assert_chain_parity(x: dict, emulate) -> None:
@@ -126,7 +127,7 @@ def test_emulated_kernel_reads_the_state_through_its_strides(metal, layout):
     assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [r for r in (1, 2, 4) if r != gd._ROWS])
 def test_emulated_rows_per_warp_do_not_change_a_bit(rows):
     x = _raw_inputs(3, seed=3)
     want = _emulate(x, keep=True)

@@ -70,18 +70,21 @@ def _no_states(state: mx.array) -> mx.array:
 
 
 # T and B are read from k's shape at run time, so one compiled variant serves every block and
-# prompt length. One warp (CUDA) / SIMD-group (Metal) per R value rows of a head: lane l holds
-# Dk/32 state columns of each row; the dot products are butterfly reductions over the 32 lanes
-# in a fixed order, the R rows' reductions interleaved. A row's arithmetic depends on neither R
-# nor T. The q/k normalisation and the gates are computed once per warp for its R rows, and
-# step t + 1's inputs are loaded while step t runs. Both backends' sources are this one text
-# with their few differences filled in (``_BACKENDS``), so the Metal kernel mirrors the CUDA
-# kernel line by line by construction. GATE_INPUTS, GATES and QK are spliced per variant: the
-# plain one reads normalised q/k, the decay g and beta; the "raw" one reads the layer's raw q/k,
-# a and b and computes normalize_qk, compute_g and sigmoid(b) itself (saving seven launches per
-# layer per step).
+# prompt length. A threadgroup is WARPS warps (CUDA) / SIMD-groups (Metal) of one head, each
+# warp R value rows: lane l holds Dk/32 state columns of each row; the dot products are
+# butterfly reductions over the 32 lanes in a fixed order, the R rows' reductions interleaved.
+# The steps go in chunks of up to CH: a chunk's q/k normalisation and gates do not depend on
+# the state, so the threadgroup makes them once, spread over its warps, into shared memory,
+# and every warp's steps read them there (made in each warp, they were about half of a step's
+# instructions). A row's arithmetic depends on neither R, T nor which warp made its inputs.
+# Both backends' sources are this one text with their few differences filled in
+# (``_BACKENDS``), so the Metal kernel mirrors the CUDA kernel line by line by construction.
+# GATE_INPUTS, GATES and QK are spliced per variant: the plain one reads normalised q/k, the
+# decay g and beta; the "raw" one reads the layer's raw q/k, a and b and computes normalize_qk,
+# compute_g and sigmoid(b) itself (saving seven launches per layer per step).
 _TEMPLATE = """
     constexpr int NPT = Dk / 32;
+    constexpr int CH = 8;
     const int B = k_shape[0];
     const int T = k_shape[1];
     THREAD_INDICES
@@ -93,15 +96,6 @@ _TEMPLATE = """
     DEVICE const InT* v_ = v + b * v_strides[0] + hv * v_strides[2] + dv * v_strides[3];
     DEVICE InT* y_ = y + (size_t)b * T * Hv * Dv + hv * Dv + dv;
     GATE_INPUTS
-    #define MTP_LOAD(t) \\
-      for (int i = 0; i < NPT; ++i) { \\
-        xq[i] = static_cast<float>(q_[(t) * q_strides[1] + i * q_strides[3]]); \\
-        xk[i] = static_cast<float>(k_[(t) * k_strides[1] + i * k_strides[3]]); \\
-      } \\
-      for (int r = 0; r < R; ++r) \\
-        xv[r] = static_cast<float>(v_[(t) * v_strides[1] + r * v_strides[3]]); \\
-      xg = static_cast<float>(g_[(t) * gs]); \\
-      xb = static_cast<float>(b_[(t) * bs]);
     // The state is read through its strides: after a rollback it is a view into the last
     // verify's per-step states, and a fresh cache's zeros may be a broadcast.
     float s[R][NPT];
@@ -110,47 +104,73 @@ _TEMPLATE = """
           + (dv + r) * state_in_strides[2] + lane * NPT * state_in_strides[3];
       for (int i = 0; i < NPT; ++i) s[r][i] = s_in[i * state_in_strides[3]];
     }
-    float xq[NPT], xk[NPT], xv[R], xg, xb;
-    MTP_LOAD(0)
-    for (int t = 0; t < T; ++t) {
-      float qn[NPT], kn[NPT], vt[R];
-      for (int i = 0; i < NPT; ++i) {
-        qn[i] = xq[i];
-        kn[i] = xk[i];
+    SHARED float qk_sh[CH][2][Dk];  // a chunk's normalised q (0) and k (1)
+    SHARED float gb_sh[CH][2];  // a chunk's decay (0) and beta (1)
+    float xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = static_cast<float>(v_[r * v_strides[3]]);
+    for (int t0 = 0; t0 < T; t0 += CH) {
+      const int C = min(CH, T - t0);
+      if (t0 > 0) {
+        BARRIER;  // every warp is done with the last chunk
       }
-      for (int r = 0; r < R; ++r) vt[r] = xv[r];
-      const float gx = xg, bx = xb;
-      if (t + 1 < T) {
-        MTP_LOAD(t + 1)
+      for (int u = warp; u < 2 * C; u += WARPS) {
+        const int j = u >> 1;
+        const bool isq = (u & 1) == 0;
+        DEVICE const InT* src = isq ? q_ + (t0 + j) * q_strides[1] : k_ + (t0 + j) * k_strides[1];
+        const auto st = isq ? q_strides[3] : k_strides[3];
+        float x[NPT];
+        for (int i = 0; i < NPT; ++i) x[i] = static_cast<float>(src[i * st]);
+        QK
+        for (int i = 0; i < NPT; ++i) qk_sh[j][isq ? 0 : 1][lane * NPT + i] = x[i];
       }
-      GATES
-      QK
-      float kv[R], o[R];
-      for (int r = 0; r < R; ++r) {
-        kv[r] = 0.0f;
+      if (warp == WARPS - 1 && lane < C) {
+        const float gx = static_cast<float>(g_[(t0 + lane) * gs]);
+        const float bx = static_cast<float>(b_[(t0 + lane) * bs]);
+        GATES
+        gb_sh[lane][0] = gt;
+        gb_sh[lane][1] = bt;
+      }
+      BARRIER;
+      for (int j = 0; j < C; ++j) {
+        const int t = t0 + j;
+        float qn[NPT], kn[NPT], vt[R];
         for (int i = 0; i < NPT; ++i) {
-          s[r][i] = s[r][i] * gt;
-          kv[r] = kv[r] + s[r][i] * kn[i];
+          qn[i] = qk_sh[j][0][lane * NPT + i];
+          kn[i] = qk_sh[j][1][lane * NPT + i];
         }
-      }
-      for (LANE_OFFSET off = 16; off > 0; off >>= 1) {
-        for (int r = 0; r < R; ++r) kv[r] = kv[r] + XOR_SHUFFLE(kv[r], off);
-      }
-      for (int r = 0; r < R; ++r) {
-        const float delta = (vt[r] - kv[r]) * bt;
-        o[r] = 0.0f;
-        for (int i = 0; i < NPT; ++i) {
-          s[r][i] = s[r][i] + kn[i] * delta;
-          o[r] = o[r] + s[r][i] * qn[i];
+        for (int r = 0; r < R; ++r) vt[r] = xv[r];
+        if (t + 1 < T) {  // the next step's v, loaded while this step runs
+          for (int r = 0; r < R; ++r)
+            xv[r] = static_cast<float>(v_[(t + 1) * v_strides[1] + r * v_strides[3]]);
         }
+        const float gt = gb_sh[j][0], bt = gb_sh[j][1];
+        float kv[R], o[R];
+        for (int r = 0; r < R; ++r) {
+          kv[r] = 0.0f;
+          for (int i = 0; i < NPT; ++i) {
+            s[r][i] = s[r][i] * gt;
+            kv[r] = kv[r] + s[r][i] * kn[i];
+          }
+        }
+        for (LANE_OFFSET off = 16; off > 0; off >>= 1) {
+          for (int r = 0; r < R; ++r) kv[r] = kv[r] + XOR_SHUFFLE(kv[r], off);
+        }
+        for (int r = 0; r < R; ++r) {
+          const float delta = (vt[r] - kv[r]) * bt;
+          o[r] = 0.0f;
+          for (int i = 0; i < NPT; ++i) {
+            s[r][i] = s[r][i] + kn[i] * delta;
+            o[r] = o[r] + s[r][i] * qn[i];
+          }
+        }
+        for (LANE_OFFSET off = 16; off > 0; off >>= 1) {
+          for (int r = 0; r < R; ++r) o[r] = o[r] + XOR_SHUFFLE(o[r], off);
+        }
+        if (lane == 0) {
+          for (int r = 0; r < R; ++r) y_[t * Hv * Dv + r] = static_cast<InT>(o[r]);
+        }
+        KEEP_STATES
       }
-      for (LANE_OFFSET off = 16; off > 0; off >>= 1) {
-        for (int r = 0; r < R; ++r) o[r] = o[r] + XOR_SHUFFLE(o[r], off);
-      }
-      if (lane == 0) {
-        for (int r = 0; r < R; ++r) y_[t * Hv * Dv + r] = static_cast<InT>(o[r]);
-      }
-      KEEP_STATES
     }
     for (int r = 0; r < R; ++r) {
       DEVICE float* s_out = state_out + ((size_t)n * Dv + dv + r) * Dk + lane * NPT;
@@ -159,137 +179,78 @@ _TEMPLATE = """
 """
 
 # What differs between the backends' sources (everything else is one text, so the Metal kernel
-# mirrors the CUDA kernel line by line by construction).
+# mirrors the CUDA kernel line by line by construction). Applied after the splices below.
 _BACKENDS = {
     False: {  # CUDA
-        "THREAD_INDICES": "const int lane = threadIdx.x;\n"
-        "    const int dv = (blockIdx.y * blockDim.y + threadIdx.y) * R;\n"
+        "THREAD_INDICES": "const int lane = threadIdx.x & 31;\n"
+        "    const int warp = threadIdx.x >> 5;\n"
+        "    const int dv = (blockIdx.y * WARPS + warp) * R;\n"
         "    const int n = blockIdx.z;",
         "DEVICE ": "",
+        "SHARED": "__shared__",
+        "BARRIER": "__syncthreads()",
         "LANE_OFFSET": "int",
         "XOR_SHUFFLE(": "__shfl_xor_sync(0xffffffffu, ",
     },
     True: {  # Metal
-        "THREAD_INDICES": "const int lane = thread_position_in_threadgroup.x;\n"
-        "    const int dv = thread_position_in_grid.y * R;\n"
-        "    const int n = thread_position_in_grid.z;",
+        "THREAD_INDICES": "const int lane = thread_index_in_simdgroup;\n"
+        "    const int warp = simdgroup_index_in_threadgroup;\n"
+        "    const int dv = (threadgroup_position_in_grid.y * WARPS + warp) * R;\n"
+        "    const int n = threadgroup_position_in_grid.z;",
         "DEVICE ": "device ",
+        "SHARED": "threadgroup",
+        "BARRIER": "threadgroup_barrier(mem_flags::mem_threadgroup)",
         "LANE_OFFSET": "ushort",
         "XOR_SHUFFLE(": "simd_shuffle_xor(",
+        "expf(": "exp(",
+        "logf(": "log(",
+        "rsqrtf(": "rsqrt(",
+        "fmaxf(": "fmax(",
+        "fabsf(": "fabs(",
     },
 }
 
-
-def _backend_source(metal: bool) -> str:
-    source = _TEMPLATE
-    for token, text in _BACKENDS[metal].items():
-        source = source.replace(token, text)
-    return source
-
-
-_CUDA_SOURCE = _backend_source(False)
-_METAL_SOURCE = _backend_source(True)
-
-# The splices, per backend: {name: (cuda, metal)}. Only the keep-states variant has the
-# ``states`` output [T - 1, B, Hv, Dv, Dk]: the store after each step but the last (which is
-# state_out) is spliced in, so both variants run the same arithmetic.
-_KEEP = (
-    """if (t + 1 < T) {
-        for (int r = 0; r < R; ++r) {
-          float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv + r) * Dk + lane * NPT;
-          for (int i = 0; i < NPT; ++i) s_t[i] = s[r][i];
-        }
-      }""",
-    """if (t + 1 < T) {
-        for (int r = 0; r < R; ++r) {
-          device float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv + r) * Dk + lane * NPT;
-          for (int i = 0; i < NPT; ++i) s_t[i] = s[r][i];
-        }
-      }""",
-)
-# g_/b_ and gs/bs name the two gate inputs and their time strides (MTP_LOAD reads them into
-# gx/bx); GATES makes the decay gt and beta bt; QK normalises the loaded qn, kn in place.
+# The splices. Only the keep-states variant has the ``states`` output [T - 1, B, Hv, Dv, Dk]:
+# the store after each step but the last (which is state_out) is spliced in, so both variants
+# run the same arithmetic.
+_KEEP = """if (t + 1 < T) {
+          for (int r = 0; r < R; ++r) {
+            DEVICE float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv + r) * Dk + lane * NPT;
+            for (int i = 0; i < NPT; ++i) s_t[i] = s[r][i];
+          }
+        }"""
+# g_/b_ and gs/bs name the two gate inputs and their time strides; GATES makes the decay gt
+# and beta bt from one step's gx, bx; QK normalises one loaded q (isq) or k row x in place.
 _PLAIN = {
-    "GATE_INPUTS": (
-        """const float* g_ = g + b * g_strides[0] + hv * g_strides[2];
-    const float* b_ = beta + b * beta_strides[0] + hv * beta_strides[2];
+    "GATE_INPUTS": """DEVICE const float* g_ = g + b * g_strides[0] + hv * g_strides[2];
+    DEVICE const float* b_ = beta + b * beta_strides[0] + hv * beta_strides[2];
     const int gs = g_strides[1], bs = beta_strides[1];""",
-        """device const float* g_ = g + b * g_strides[0] + hv * g_strides[2];
-    device const float* b_ = beta + b * beta_strides[0] + hv * beta_strides[2];
-    const int gs = g_strides[1], bs = beta_strides[1];""",
-    ),
-    "GATES": (
-        """const float gt = gx;
-      const float bt = bx;""",
-        """const float gt = gx;
-      const float bt = bx;""",
-    ),
-    "QK": ("", ""),
+    "GATES": """const float gt = gx;
+        const float bt = bx;""",
+    "QK": "",
 }
 # mlx-lm's arithmetic, rounded to the input dtype where mlx-lm's ops round: rms_norm(q) then
 # times Dk^-1 (q) or Dk^-1/2 (k); a + dt_bias and softplus in the input dtype, the decay in
 # float32; sigmoid(b) in the input dtype.
 _RAW = {
-    "GATE_INPUTS": (
-        """const InT* g_ = a + b * a_strides[0] + hv * a_strides[2];
-    const InT* b_ = bb + b * bb_strides[0] + hv * bb_strides[2];
+    "GATE_INPUTS": """DEVICE const InT* g_ = a + b * a_strides[0] + hv * a_strides[2];
+    DEVICE const InT* b_ = bb + b * bb_strides[0] + hv * bb_strides[2];
     const int gs = a_strides[1], bs = bb_strides[1];
     const float neg_a = -expf(static_cast<float>(A_log[hv]));
     const float dtb = static_cast<float>(dt_bias[hv]);
     #define RD(x) static_cast<float>(static_cast<InT>(x))  // rounded to the input dtype
     const float qs = RD(1.0f / Dk);
     const float ks = RD(rsqrtf(static_cast<float>(Dk)));""",
-        """device const InT* g_ = a + b * a_strides[0] + hv * a_strides[2];
-    device const InT* b_ = bb + b * bb_strides[0] + hv * bb_strides[2];
-    const int gs = a_strides[1], bs = bb_strides[1];
-    const float neg_a = -exp(static_cast<float>(A_log[hv]));
-    const float dtb = static_cast<float>(dt_bias[hv]);
-    #define RD(x) static_cast<float>(static_cast<InT>(x))  // rounded to the input dtype
-    const float qs = RD(1.0f / Dk);
-    const float ks = RD(rsqrt(static_cast<float>(Dk)));""",
-    ),
-    "GATES": (
-        """const float x = RD(gx + dtb);
-      const float sp = RD(fmaxf(x, 0.0f) + logf(1.0f + expf(-fabsf(x))));
-      const float gt = expf(neg_a * sp);
-      const float bt = RD(1.0f / (1.0f + expf(-bx)));""",
-        """const float x = RD(gx + dtb);
-      const float sp = RD(fmax(x, 0.0f) + log(1.0f + exp(-fabs(x))));
-      const float gt = exp(neg_a * sp);
-      const float bt = RD(1.0f / (1.0f + exp(-bx)));""",
-    ),
-    "QK": (
-        """float sq = 0.0f, sk = 0.0f;
-      for (int i = 0; i < NPT; ++i) {
-        sq = sq + qn[i] * qn[i];
-        sk = sk + kn[i] * kn[i];
-      }
-      for (int off = 16; off > 0; off >>= 1) {
-        sq = sq + __shfl_xor_sync(0xffffffffu, sq, off);
-        sk = sk + __shfl_xor_sync(0xffffffffu, sk, off);
-      }
-      const float iq = rsqrtf(sq / Dk + 1e-6f / Dk);
-      const float ik = rsqrtf(sk / Dk + 1e-6f / Dk);
-      for (int i = 0; i < NPT; ++i) {
-        qn[i] = RD(RD(qn[i] * iq) * qs);
-        kn[i] = RD(RD(kn[i] * ik) * ks);
-      }""",
-        """float sq = 0.0f, sk = 0.0f;
-      for (int i = 0; i < NPT; ++i) {
-        sq = sq + qn[i] * qn[i];
-        sk = sk + kn[i] * kn[i];
-      }
-      for (ushort off = 16; off > 0; off >>= 1) {
-        sq = sq + simd_shuffle_xor(sq, off);
-        sk = sk + simd_shuffle_xor(sk, off);
-      }
-      const float iq = rsqrt(sq / Dk + 1e-6f / Dk);
-      const float ik = rsqrt(sk / Dk + 1e-6f / Dk);
-      for (int i = 0; i < NPT; ++i) {
-        qn[i] = RD(RD(qn[i] * iq) * qs);
-        kn[i] = RD(RD(kn[i] * ik) * ks);
-      }""",
-    ),
+    "GATES": """const float x = RD(gx + dtb);
+        const float sp = RD(fmaxf(x, 0.0f) + logf(1.0f + expf(-fabsf(x))));
+        const float gt = expf(neg_a * sp);
+        const float bt = RD(1.0f / (1.0f + expf(-bx)));""",
+    "QK": """float ss = 0.0f;
+        for (int i = 0; i < NPT; ++i) ss = ss + x[i] * x[i];
+        for (LANE_OFFSET off = 16; off > 0; off >>= 1) ss = ss + XOR_SHUFFLE(ss, off);
+        const float inv = rsqrtf(ss / Dk + 1e-6f / Dk);
+        const float sc = isq ? qs : ks;
+        for (int i = 0; i < NPT; ++i) x[i] = RD(RD(x[i] * inv) * sc);""",
 }
 _INPUTS = {
     False: ["q", "k", "v", "g", "beta", "state_in"],
@@ -299,11 +260,13 @@ _kernels: dict = {}
 
 
 def _source(metal: bool, keep: bool, raw: bool) -> str:
-    """The kernel body of one variant, with its splices filled in."""
-    source = _METAL_SOURCE if metal else _CUDA_SOURCE
-    for name, blocks in (_RAW if raw else _PLAIN).items():
-        source = source.replace(name, blocks[metal])
-    return source.replace("KEEP_STATES", _KEEP[metal] if keep else "")
+    """The kernel body of one variant for one backend, its splices filled in."""
+    source = _TEMPLATE.replace("KEEP_STATES", _KEEP if keep else "")
+    for name, text in (_RAW if raw else _PLAIN).items():
+        source = source.replace(name, text)
+    for token, text in _BACKENDS[metal].items():
+        source = source.replace(token, text)
+    return source
 
 
 def _spec(metal: bool, keep: bool, raw: bool) -> dict:
@@ -339,20 +302,27 @@ def _kernel(keep: bool, raw: bool = False):
                  lambda: _build_metal(keep, raw))  # fmt: skip
 
 
-# Value rows per warp: rows share one q/k normalisation and gate computation and interleave
-# their reductions. On the H200 (48 layers, 27B shape) 4 rows beat 1 and 2 at every T
-# (docs/benchmark_results/README.md, session 5).
-_ROWS = 4
+# Value rows per warp: a warp interleaves its rows' reductions; fewer rows, more warps to hide
+# the steps' latency. With the q/k and gates made once per threadgroup, 2 rows beat 4 and 1 at
+# every T on the H200 (docs/benchmark_results/README.md, session 11).
+_ROWS = 2
+_WARPS = 4  # a threadgroup: its warps share one chunk's q/k normalisation and gates
 
 
 def _rows(Dv: int) -> int:
-    return _ROWS if Dv % (4 * _ROWS) == 0 else 1  # four warps per threadgroup
+    return _ROWS if Dv % (_WARPS * _ROWS) == 0 else 1
+
+
+def _geometry(B: int, Hv: int, Dv: int, R: int) -> tuple[tuple, tuple]:
+    """The launch's grid and threadgroup (in threads): WARPS warps of R rows a threadgroup."""
+    return (32 * _WARPS, Dv // (R * _WARPS), B * Hv), (32 * _WARPS, 1, 1)
 
 
 def _launch(kernel, inputs: list, q, k, v, keep_states: bool, extra_types=()):
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
     R = _rows(Dv)
+    grid, threadgroup = _geometry(B, Hv, Dv, R)
     shapes = [(B, T, Hv, Dv), (B, Hv, Dv, Dk)] + ([(T - 1, B, Hv, Dv, Dk)] if keep_states else [])
     out = kernel(
         inputs=inputs,
@@ -363,10 +333,11 @@ def _launch(kernel, inputs: list, q, k, v, keep_states: bool, extra_types=()):
             ("Hk", Hk),
             ("Hv", Hv),
             ("R", R),
+            ("WARPS", _WARPS),
             *extra_types,
         ],  # fmt: skip
-        grid=(32, Dv // R, B * Hv),
-        threadgroup=(32, 4, 1),
+        grid=grid,
+        threadgroup=threadgroup,
         output_shapes=shapes,
         output_dtypes=[q.dtype] + [mx.float32] * (len(shapes) - 1),
     )
@@ -480,7 +451,7 @@ def _self_check_raw(dtype, hk: int, hv: int, dk: int, dv: int, gate_dtypes) -> s
 
 def _native_shape(k, v) -> bool:
     Hk, Dk, Hv, Dv = k.shape[2], k.shape[3], v.shape[2], v.shape[3]
-    return backend() != "cpu" and Dk % 32 == 0 and Hv % Hk == 0 and Dv % 4 == 0
+    return backend() != "cpu" and Dk % 32 == 0 and Hv % Hk == 0 and Dv % _WARPS == 0
 
 
 def gated_delta(q, k, v, g, beta, state, *, keep_states: bool = False):
