@@ -18,7 +18,9 @@ import itertools
 import json
 import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -493,8 +495,8 @@ def _markdown(res: dict, args) -> str:
         f"{tuple(round(x, 2) for x in res['load_before'])} / "
         f"{tuple(round(x, 2) for x in res['load_after'])}.",
         "",
-        f"Command: `python scripts/bench_verify.py --shape {args.shape} --bits {args.bits} "
-        f"--repeats {args.repeats}`. Times in ms, median (min-max) of {args.repeats}; "
+        f"Command: `python scripts/bench_verify.py {shlex.join(sys.argv[1:])}`. Times in ms, "
+        f"median (min-max) of {args.repeats}; "
         f"forward of T tokens after a {res['prompt_tokens']}-token prompt, LM head included.",
         "",
         "| T | verify path | plain prefill path | verify / T=1 | mlx-lm forward | "
