@@ -85,6 +85,7 @@ def _no_states(state: mx.array) -> mx.array:
 _TEMPLATE = """
     constexpr int NPT = Dk / 32;
     constexpr int CH = 8;
+    static_assert(CH <= 32, "a chunk's gates are made by the lanes of one warp");
     const int B = k_shape[0];
     const int T = k_shape[1];
     THREAD_INDICES
