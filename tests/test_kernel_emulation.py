@@ -136,17 +136,19 @@ def test_emulated_rows_per_warp_do_not_change_a_bit(rows):
 
 
 @pytest.mark.parametrize(
-    "old, new",
+    "old, new, T",
     [
-        ("s[r][i] = s[r][i] * gt;", "s[r][i] = s[r][i];"),  # the decay forgotten
-        ("hv * v_strides[2]", "hv * v_strides[3]"),  # a wrong stride
-        ("(size_t)t * B * Hv", "(size_t)(T - 2 - t) * B * Hv"),  # states kept in reverse
+        ("s[r][i] = s[r][i] * gt;", "s[r][i] = s[r][i];", 3),  # the decay forgotten
+        ("hv * v_strides[2]", "hv * v_strides[3]", 3),  # a wrong stride
+        ("(size_t)t * B * Hv", "(size_t)(T - 2 - t) * B * Hv", 3),  # states kept in reverse
+        ("(t0 + j) * q_strides[1]", "j * q_strides[1]", 11),  # every chunk reads the first's q
+        ("(t0 + lane) * gs", "lane * gs", 11),  # and its gates
     ],
-    ids=["decay", "stride", "states"],
+    ids=["decay", "stride", "states", "chunk_q", "chunk_gates"],
 )
-def test_emulation_catches_a_broken_kernel(old, new):
+def test_emulation_catches_a_broken_kernel(old, new, T):
     """The emulation is a real check: each of these mistakes makes it disagree."""
-    x = _raw_inputs(3, seed=11)
+    x = _raw_inputs(T, seed=11)
     source = gd._source(False, True, True)
     assert old in source
     got = _emulate(x, keep=True, source=source.replace(old, new))
