@@ -49,9 +49,9 @@ def _inputs(T: int, layers: int):
 A_LOG, DT_BIAS = mx.zeros((HV,)), mx.ones((HV,), dtype=mx.bfloat16)
 
 
-def _load_baselines(paths: list[Path]) -> dict:
-    """Other versions of the gated-delta module, imported beside ours, by arm prefix."""
-    modules = {}
+def _modules(paths: list[Path]) -> dict:
+    """Ours and other versions of the gated-delta module imported beside it, by arm prefix."""
+    modules = {"": gd}
     for path in paths:
         spec = importlib.util.spec_from_file_location(f"mtpcli.kernels._gd_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
@@ -70,16 +70,12 @@ def _arm(mod, rows: int, keep: bool):
     return mx.compile(every_layer)
 
 
-def _modules(baselines: dict | None) -> dict:
-    return {"": gd} | (baselines or {})
-
-
-def side_by_side(rows: list[int], ts: list[int], repeats: int, baseline=None) -> dict:
+def side_by_side(rows: list[int], ts: list[int], repeats: int, modules: dict) -> dict:
     res: dict = {"ms_48_layers": {}, "final_states_equal_first_arm": {}}
     for T in ts:
         xs, states = _inputs(T, LAYERS)
         for keep in (False,) if T == 1 else (False, True):
-            arms = {f"{p}rows_{r}": _arm(m, r, keep) for p, m in _modules(baseline).items()
+            arms = {f"{p}rows_{r}": _arm(m, r, keep) for p, m in modules.items()
                     for r in rows}  # fmt: skip
             finals = {}
             for name, fn in arms.items():  # trace, warm up
@@ -109,10 +105,10 @@ def side_by_side(rows: list[int], ts: list[int], repeats: int, baseline=None) ->
     return res
 
 
-def launches_only(rows: list[int], ts: list[int], baseline=None) -> None:
+def launches_only(rows: list[int], ts: list[int], modules: dict) -> None:
     for T in ts:
         xs, states = _inputs(T, 1)
-        for prefix, mod in _modules(baseline).items():
+        for prefix, mod in modules.items():
             for r in rows:
                 mod._ROWS = r
                 for keep in (False,) if T == 1 else (False, True):
@@ -140,13 +136,13 @@ def main() -> None:
     for path in args.baseline:
         if not path.is_file():
             raise SystemExit(f"--baseline {path}: no such file")
-    baseline = _load_baselines(args.baseline)
+    modules = _modules(args.baseline)
     if gd._kernel(False, raw=True) is None:
         raise SystemExit("needs a GPU backend with a native gated-delta kernel")
     if args.launches_only:
-        launches_only(args.rows, args.ts, baseline)
+        launches_only(args.rows, args.ts, modules)
         return
-    res = side_by_side(args.rows, args.ts, args.repeats, baseline)
+    res = side_by_side(args.rows, args.ts, args.repeats, modules)
     res |= {"device": str(mx.device_info().get("device_name", "")), "mlx": mx.__version__,
             "repeats": args.repeats, "chain": CHAIN, "load_after": os.getloadavg(),
             "baseline": [str(p) for p in args.baseline]}  # fmt: skip
