@@ -22,8 +22,8 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 import mlx.core as mx
@@ -242,7 +242,8 @@ def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = 
         "ours": (nullcontext, ours(target)),
         "ours_no_gc": (_no_gc, ours(target)),
         "ours_conv_ops": (_conv_ops, ours(target)),
-        "ours_residual_apart": (_residual_apart, ours(target)),
+        "ours_residual_apart": (_flags_off("FUSE_RESIDUAL"), ours(target)),
+        "ours_norm_swiglu_apart": (_flags_off("FUSE_NORM", "FUSE_SWIGLU"), ours(target)),
         "ours_eager": (lambda: _compile("off"), ours(target)),
         "ours_unfused": (nullcontext, ours(unfused)),
         "ours_mlx_qmm": (lambda: stock_layers(unfused.model), ours(unfused)),
@@ -291,16 +292,22 @@ def _conv_ops() -> Iterator[None]:
         kernels.changed()
 
 
-@contextmanager
-def _residual_apart() -> Iterator[None]:
-    """The layers' residual adds as MLX ops after our product, not in its store."""
-    qm.FUSE_RESIDUAL = False
-    kernels.changed()
-    try:
-        yield
-    finally:
-        qm.FUSE_RESIDUAL = True
-        kernels.changed()
+def _flags_off(*names: str) -> Callable[[], AbstractContextManager[None]]:
+    """A setting that turns the product's fusion switches ``names`` off over an arm's runs."""
+
+    @contextmanager
+    def setting() -> Iterator[None]:
+        for name in names:
+            setattr(qm, name, False)
+        kernels.changed()  # retrace the compiled layer functions, and after
+        try:
+            yield
+        finally:
+            for name in names:
+                setattr(qm, name, True)
+            kernels.changed()
+
+    return setting
 
 
 @contextmanager
@@ -530,6 +537,8 @@ def _markdown(res: dict, args) -> str:
         labels = {"ours": f"ours as run (qmm {res['qmm']}, compiled layer functions)",
                   "ours_conv_ops": "same, the convolution as mlx-lm's four ops",
                   "ours_residual_apart": "same, the residual adds apart from the products",
+                  "ours_norm_swiglu_apart": "same, the input norms and swiglu apart from the "
+                  "products",
                   "ours_no_gc": "same, Python's garbage collector off",
                   "ours_eager": "same, not compiled (op by op)",
                   "ours_unfused": "ours, projections unfused",

@@ -86,7 +86,7 @@ def op_costs() -> dict:
         "rms_norm": lambda v: mx.fast.rms_norm(v, norm, 1e-6),
         "mlx_qmm": lambda v: mx.quantized_matmul(v, w, s, b, group_size=64, bits=4),
     }
-    if qm._kernel() is not None:
+    if qm._kernel(qm.PLAIN) is not None:
         steps["our_qmm"] = lambda v: qm.quantized_matmul_native(v, w, s, b, group_size=64, bits=4)
     res = {name: chain_us(step, x) for name, step in steps.items()}
     if kernels.available("cuda"):

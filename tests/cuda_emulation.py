@@ -112,6 +112,12 @@ static inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
   return {std::fma(float(a.x), float(b.x), float(c.x)),
           std::fma(float(a.y), float(b.y), float(c.y))};
 }
+static inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
+  return {float(a.x) * float(b.x), float(a.y) * float(b.y)};  // exact in float, rounded once
+}
+static inline __half2 __hmul2(__half2 a, __half2 b) {
+  return {float(a.x) * float(b.x), float(a.y) * float(b.y)};
+}
 static inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {a, b}; }
 static inline uint32_t __byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
   const uint64_t v = (static_cast<uint64_t>(b) << 32) | a;

@@ -74,8 +74,8 @@ def test_the_model_uses_it_and_a_wrong_one_breaks_exactness_vs_mlx_lm(monkeypatc
     m = mlx_qwen.GatedDeltaNet(args)
     x = mx.random.normal((1, 3, 64), key=mx.random.key(2))
     conv_state, state = mx.zeros((1, 3, m.conv_dim)), mx.zeros((1, 2, 32, 32))
-    want = m(x, cache=None)
-    got = tm._gated_delta(m, x, mx.zeros_like(x), conv_state, state, keep=False)[0]
+    want = x + m(x, cache=None)  # the mixer added to its residual (the norm left out here)
+    got = tm._gated_delta(m, x, lambda h: h, conv_state, state, keep=False)[0]
     assert mx.allclose(got, want, atol=1e-5).item()
 
     def wrong(x, window, weight):
@@ -83,7 +83,7 @@ def test_the_model_uses_it_and_a_wrong_one_breaks_exactness_vs_mlx_lm(monkeypatc
         return out * 1.01, inputs, new_window
 
     monkeypatch.setattr(tm, "conv_silu", wrong)
-    broken = tm._gated_delta(m, x, mx.zeros_like(x), conv_state, state, keep=False)[0]
+    broken = tm._gated_delta(m, x, lambda h: h, conv_state, state, keep=False)[0]
     assert not mx.allclose(broken, want, atol=1e-5).item()
 
 

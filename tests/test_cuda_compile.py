@@ -83,33 +83,43 @@ def test_convolution_kernel_compiles_without_spills(tmp_path):
     assert _no_spills(report), report
 
 
+VARIANTS = [qm.PLAIN, qm.Variant(residual=True), qm.Variant(1e-6), qm.Variant(1e-6, swiglu=True)]
+VARIANT_IDS = ["plain", "residual", "norm", "norm_swiglu"]
+
+
+def _product(variant: qm.Variant, xt: str, bits: int, group_size: int = 64,
+             header: str | None = None) -> str:  # fmt: skip
+    """A product variant's source wrapped as MLX wraps it, with its header (launch bounds
+    included where the variant has them)."""
+    header = qm.header(variant) if header is None else header
+    types = {"x": xt, "w": U32, "scales": xt, "biases": xt}
+    types |= {"norm_w": xt} if variant.norm_eps is not None else {}
+    types |= {"residual": xt} if variant.residual else {}
+    constants = {"XT": xt, "ST": xt, "BITS": bits, "GS": group_size, "WARPS": qm.WARPS}
+    return _wrap(qm.source(False, variant), header, types, {"y": xt}, constants)
+
+
 @pytest.mark.parametrize("xt", [BF16, HALF])
 @pytest.mark.parametrize("bits", qm.BITS)
 @pytest.mark.parametrize("group_size", qm.GROUP_SIZES)
 def test_quantized_matmul_kernel_compiles_without_spills(tmp_path, xt, bits, group_size):
-    types = {"x": xt, "w": U32, "scales": xt, "biases": xt}
-    constants = {
-        "XT": xt,
-        "ST": xt,
-        "BITS": bits,
-        "GS": group_size,
-        "WARPS": qm.WARPS,
-    }
-    code = _wrap(qm._CUDA_SOURCE, qm._HEADER_CUDA, types, {"y": xt}, constants)
-    report = _compile(tmp_path, code)
+    report = _compile(tmp_path, _product(qm.PLAIN, xt, bits, group_size))
     assert _no_spills(report), report
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("xt", [BF16, HALF])
 @pytest.mark.parametrize("bits", qm.BITS)
-def test_quantized_matmul_fits_four_blocks_per_multiprocessor(tmp_path, bits):
+def test_quantized_matmul_variants_fit_four_blocks_per_multiprocessor(tmp_path, variant, xt,
+                                                                       bits):  # fmt: skip
     """The product is latency-bound on the H200 (ncu: 43% of DRAM bandwidth, issue ~50%
     busy), so occupancy matters: at most 64 registers a thread keep 4 blocks of 256 threads
     on a multiprocessor (65536 registers). A variant that loaded a first scale before its
-    loop took 68 (3 blocks)."""
-    types = {"x": BF16, "w": U32, "scales": BF16, "biases": BF16}
-    constants = {"XT": BF16, "ST": BF16, "BITS": bits, "GS": 64, "WARPS": qm.WARPS}
-    code = _wrap(qm._CUDA_SOURCE, qm._HEADER_CUDA, types, {"y": BF16}, constants)
-    used = int(re.search(r"Used (\d+) registers", _compile(tmp_path, code)).group(1))
+    loop took 68 (3 blocks). The norm, swiglu and residual variants must not cost a block
+    (the norm ones need launch bounds for that: 67-68 registers without)."""
+    report = _compile(tmp_path, _product(variant, xt, bits))
+    assert _no_spills(report), report
+    used = int(re.search(r"Used (\d+) registers", report).group(1))
     assert used * 32 * qm.WARPS * 4 <= 65536, used
 
 
@@ -117,10 +127,8 @@ def test_quantized_matmul_fits_four_blocks_per_multiprocessor(tmp_path, bits):
 def test_launch_bounds_cap_the_products_registers(tmp_path, bits):
     """``min_blocks`` (a benchmark arm, not the default) reaches ptxas through the header: 5
     blocks of 8 warps leave at most 51 registers a thread (65536 / 1280)."""
-    types = {"x": BF16, "w": U32, "scales": BF16, "biases": BF16}
-    constants = {"XT": BF16, "ST": BF16, "BITS": bits, "GS": 64, "WARPS": qm.WARPS}
     header = qm._HEADER_CUDA + qm.launch_bounds(qm.WARPS, 5)
-    code = _wrap(qm._CUDA_SOURCE, header, types, {"y": BF16}, constants)
+    code = _product(qm.PLAIN, BF16, bits, header=header)
     used = int(re.search(r"Used (\d+) registers", _compile(tmp_path, code)).group(1))
     assert used * 32 * qm.WARPS * 5 <= 65536, used
 

@@ -9,6 +9,7 @@ import cuda_emulation  # tests/cuda_emulation.py
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.activations import swiglu
 
 from mtpcli.kernels import conv_window as cw
 from mtpcli.kernels import gated_delta as gd
@@ -224,15 +225,20 @@ def test_emulated_metal_convolution_matches_the_reference():
 
 
 def _metal_qmm(x: np.ndarray, w, scales, biases, group_size: int, bits: int,
-               residual: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+               residual: np.ndarray | None = None, variant: qm.Variant = qm.PLAIN,
+               norm_w: np.ndarray | None = None, source: str | None = None):  # fmt: skip
     n = w.shape[0]
-    extra = {} if residual is None else {"residual": residual}
+    if residual is not None:
+        variant = qm.Variant(variant.norm_eps, variant.swiglu, True)
+    n_out, tile = (n // 2, 8) if variant.swiglu else (n, 16)
+    extra = {"norm_w": norm_w} if norm_w is not None else {}
+    extra |= {"residual": residual} if residual is not None else {}
     out = cuda_emulation.run(
-        qm._METAL_SOURCE if residual is None else qm.with_residual(qm._METAL_SOURCE),
+        source or qm.source(True, variant),
         {"x": x, "w": w, "scales": scales, "biases": biases} | extra,
-        {"y": (x.shape[0], n)},
+        {"y": (x.shape[0], n_out)},
         {"XT": "float", "ST": "float", "BITS": bits, "GS": group_size, "WARPS": qm.WARPS},
-        grid=(32 * qm.WARPS * ((n + 15) // 16), 1, 1),
+        grid=(32 * qm.WARPS * ((n_out + tile - 1) // tile), 1, 1),
         threadgroup=(32 * qm.WARPS, 1, 1),
     )
     return out["y"]
@@ -290,20 +296,25 @@ def _as_dequantized(x, w, scales, biases, group_size, bits) -> np.ndarray:
     return np.array(x.astype(mx.float32), np.float64) @ dense.astype(np.float64).T
 
 
-def _cuda_qmm(x, w, scales, biases, group_size, bits, warps=qm.WARPS, residual=None):
+def _cuda_qmm(x, w, scales, biases, group_size, bits, warps=qm.WARPS, residual=None,
+              variant: qm.Variant = qm.PLAIN, norm_w=None, source: str | None = None):  # fmt: skip
     n = w.shape[0]
-    extra = {} if residual is None else {"residual": _bits16(residual)}
+    if residual is not None:
+        variant = qm.Variant(variant.norm_eps, variant.swiglu, True)
+    n_out, tile = (n // 2, 8) if variant.swiglu else (n, 16)
+    extra = {"norm_w": _bits16(norm_w)} if norm_w is not None else {}
+    extra |= {"residual": _bits16(residual)} if residual is not None else {}
     return cuda_emulation.run(
-        qm._CUDA_SOURCE if residual is None else qm.with_residual(qm._CUDA_SOURCE),
+        source or qm.source(False, variant),
         {"x": _bits16(x), "w": np.array(w), "scales": _bits16(scales), "biases": _bits16(biases)}
         | extra,
-        {"y": (x.shape[0], n)},
+        {"y": (x.shape[0], n_out)},
         {"XT": "__nv_bfloat16", "ST": "__nv_bfloat16", "BITS": bits, "GS": group_size,
          "WARPS": warps},
-        grid=(32 * warps * ((n + 15) // 16), 1, 1),
+        grid=(32 * warps * ((n_out + tile - 1) // tile), 1, 1),
         threadgroup=(32 * warps, 1, 1),
         header=cuda_emulation.emulated_mma(qm._HEADER_CUDA),
-        types={"x": "XT", "scales": "ST", "biases": "ST", "residual": "XT"},
+        types={"x": "XT", "scales": "ST", "biases": "ST", "residual": "XT", "norm_w": "XT"},
     )["y"]  # fmt: skip
 
 
@@ -349,3 +360,130 @@ def test_emulated_cuda_quantized_matmul_prefetch_over_many_rounds(bits):
     got = _cuda_qmm(x, w, scales, biases, 64, bits, warps=2)
     want = _as_dequantized(x, w, scales, biases, 64, bits)
     np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-3)
+
+
+def _bf16(a) -> np.ndarray:
+    """float values rounded to bfloat16 (as float32)."""
+    return np.array(mx.array(np.asarray(a, np.float32)).astype(mx.bfloat16).astype(mx.float32))
+
+
+def _normed_reference(x, norm_w, w, scales, biases, bits, eps=1e-6) -> np.ndarray:
+    """What the norm variant computes, in float64: x times the norm weight (rounded once to
+    bf16) times the dequantized weights, scaled by rsqrt(mean(x^2) + eps), rounded to bf16."""
+    xf = np.array(x.astype(mx.float32), np.float64)
+    scaled = mx.array(_bf16(xf * np.array(norm_w.astype(mx.float32)))).astype(mx.bfloat16)
+    inv = 1.0 / np.sqrt((xf**2).mean(axis=-1, keepdims=True) + eps)
+    return _bf16(_as_dequantized(scaled, w, scales, biases, 64, bits) * inv)
+
+
+def _silu_times(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """mlx-lm's swiglu(gate, up) on bf16 values, as MLX computes it on the CPU."""
+    g, u = (mx.array(a).astype(mx.bfloat16) for a in (gate, up))
+    return np.array(swiglu(g, u).astype(mx.float32))
+
+
+def _norm_inputs(bits: int, n: int = 40, k: int = 512, m: int = 8, seed: int = 0):
+    w, scales, biases = qm.random_quantized(n, k, 64, bits, mx.bfloat16, seed=seed)
+    x = (mx.random.normal((m, k), key=mx.random.key(seed + 1)) * 3).astype(mx.bfloat16)
+    nw = mx.random.uniform(0.5, 1.5, (k,), key=mx.random.key(seed + 2)).astype(mx.bfloat16)
+    return x, nw, w, scales, biases
+
+
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_emulated_cuda_product_normalises_its_input(bits):
+    """The norm variant (an RMSNorm folded into the product that follows it) against its
+    arithmetic in float64, rows M-invariant bitwise, and near the exact norm then product."""
+    x, nw, *weights = _norm_inputs(bits, seed=20 + bits)
+    norm = qm.Variant(norm_eps=1e-6)
+    got = {m: _cuda_qmm(x[:m], *weights, 64, bits, variant=norm, norm_w=nw) for m in (1, 3, 8)}
+    np.testing.assert_allclose(got[8], _normed_reference(x, nw, *weights, bits),
+                               rtol=2**-7, atol=1e-3)  # fmt: skip
+    assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
+    # and near the norm without roundings: x * rsqrt(mean(x^2) + eps) * weight, in float64
+    xf = np.array(x.astype(mx.float32), np.float64)
+    inv = 1.0 / np.sqrt((xf**2).mean(axis=-1, keepdims=True) + 1e-6)
+    dense = np.array(mx.dequantize(*weights, group_size=64, bits=bits).astype(mx.float32))
+    exact = (xf * inv * np.array(nw.astype(mx.float32))) @ dense.T.astype(np.float64)
+    assert np.abs(got[8] - exact).max() <= 1e-2 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_emulated_cuda_product_makes_swiglu_of_its_halves(bits):
+    """The swiglu variant pairs gate row r with up row r + N/2 in one tile: each output is
+    mlx-lm's swiglu of the plain product's two values, the last tile partial (20 outputs),
+    rows M-invariant bitwise."""
+    w, scales, biases = qm.random_quantized(40, 512, 64, bits, mx.bfloat16, seed=30 + bits)
+    x = mx.random.normal((8, 512), key=mx.random.key(31)).astype(mx.bfloat16)
+    plain = _cuda_qmm(x, w, scales, biases, 64, bits)
+    want = _silu_times(plain[:, :20], plain[:, 20:])
+    sw = qm.Variant(swiglu=True)
+    got = {m: _cuda_qmm(x[:m], w, scales, biases, 64, bits, variant=sw) for m in (1, 3, 8)}
+    assert got[8].shape == (8, 20)
+    # up to 2 bf16 ulps: MLX's CPU sigmoid is its own approximation of exp
+    np.testing.assert_allclose(got[8], want, rtol=2**-6, atol=1e-5)
+    assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
+
+
+def test_emulated_cuda_norm_and_swiglu_together():
+    """The MLP's gate/up launch: norm in, swiglu out; each is the separate variant's value."""
+    x, nw, w, scales, biases = _norm_inputs(4, seed=40)
+    normed = _cuda_qmm(x, w, scales, biases, 64, 4, variant=qm.Variant(1e-6), norm_w=nw)
+    both = qm.Variant(1e-6, swiglu=True)
+    got = {m: _cuda_qmm(x[:m], w, scales, biases, 64, 4, variant=both, norm_w=nw)
+           for m in (1, 8)}  # fmt: skip
+    np.testing.assert_allclose(got[8], _silu_times(normed[:, :20], normed[:, 20:]),
+                               rtol=2**-6, atol=1e-5)  # fmt: skip
+    assert np.array_equal(got[1], got[8][:1])
+
+
+BROKEN_VARIANTS = [  # (variant, a mistake spliced into its source)
+    (qm.Variant(1e-6), ("sq = sq + ss_part[v * 8 + m]", "sq = sq + ss_part[m]")),  # one warp's
+    (qm.Variant(1e-6), ("ss = ss + __shfl_xor_sync(0xffffffffu, ss, 2);", "")),  # half a group
+    (qm.Variant(swiglu=True), ("hi = lo + NY;", "hi = lo + 8;")),
+]
+
+
+@pytest.mark.parametrize("variant,mistake", BROKEN_VARIANTS)
+def test_emulation_catches_a_broken_variant(variant, mistake):
+    """The variants' tests can fail: each of these mistakes changes the outputs."""
+    x, nw, w, scales, biases = _norm_inputs(4, seed=50)
+    nw = nw if variant.norm_eps is not None else None
+    good = _cuda_qmm(x[:3], w, scales, biases, 64, 4, variant=variant, norm_w=nw)
+    text = qm.source(False, variant)
+    assert text.count(mistake[0]) == 1
+    bad = _cuda_qmm(x[:3], w, scales, biases, 64, 4, variant=variant, norm_w=nw,
+                    source=text.replace(*mistake))  # fmt: skip
+    assert np.abs(bad - good).max() > 1e-2 * np.abs(good).max()
+
+
+def _metal_norm_reference(x, nw, w, scales, biases, bits, eps=1e-6) -> np.ndarray:
+    xf = x.astype(np.float64)
+    dense = np.array(mx.dequantize(mx.array(w), mx.array(scales), mx.array(biases), group_size=64,
+                                   bits=bits), np.float64)  # fmt: skip
+    inv = 1.0 / np.sqrt((xf**2).mean(axis=-1, keepdims=True) + eps)
+    return (xf * nw) @ dense.T * inv
+
+
+@pytest.mark.parametrize("swiglu_out", [False, True], ids=["norm", "norm_swiglu"])
+def test_emulated_metal_variants_match_their_arithmetic(swiglu_out):
+    """The Metal product's norm and swiglu splices (float activations): the norm against its
+    float64 arithmetic, swiglu against silu(gate) * up of it, rows M-invariant bitwise."""
+    rng = np.random.default_rng(60)
+    w, scales, biases = (
+        np.array(a)
+        for a in mx.quantize(
+            mx.array(rng.standard_normal((40, 512), dtype=np.float32)), group_size=64, bits=4
+        )
+    )
+    x = rng.standard_normal((8, 512), dtype=np.float32) * 3
+    nw = rng.uniform(0.5, 1.5, 512).astype(np.float32)
+    variant = qm.Variant(1e-6, swiglu=swiglu_out)
+    got = {m: _metal_qmm(x[:m], w, scales, biases, 64, 4, variant=variant, norm_w=nw)
+           for m in (1, 3, 8)}  # fmt: skip
+    want = _metal_norm_reference(x, nw, w, scales, biases, 4)
+    if swiglu_out:
+        gate, up = want[:, :20], want[:, 20:]
+        want = gate / (1 + np.exp(-gate)) * up
+    # float32 sums against float64: their error is relative to the largest terms
+    np.testing.assert_allclose(got[8], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])

@@ -205,7 +205,15 @@ def test_kernel_names_change_with_their_source(monkeypatch):
     before = gd._spec(False, True, True)["name"]
     monkeypatch.setattr(gd, "_TEMPLATE", gd._TEMPLATE.replace("lane == 0", "lane == 1"))
     assert gd._spec(False, True, True)["name"] != before
-    assert qm._spec(qm._CUDA_SOURCE, "")["name"] != qm._spec(qm._CUDA_SOURCE + " ", "")["name"]
+    names = {
+        qm._spec(metal, "", v)["name"]
+        for metal in (False, True)
+        for v in (qm.PLAIN, qm.Variant(1e-6), qm.Variant(1e-5), qm.Variant(swiglu=True))
+    }
+    assert len(names) == 8  # each variant and eps its own name, on each backend
+    before = qm._spec(False, "", qm.PLAIN)["name"]
+    monkeypatch.setattr(qm, "_CUDA_TEMPLATE", qm._CUDA_TEMPLATE.replace("warp == 0", "warp == 1"))
+    assert qm._spec(False, "", qm.PLAIN)["name"] != before
 
 
 @cuda

@@ -188,6 +188,105 @@ def test_unsupported_layouts_and_row_counts_take_the_reference(monkeypatch):
     assert calls[-1] == (2, 1024)
 
 
+def _stub_variants(native):
+    """A stand-in native kernel that honours every variant option as the real one does (the
+    options applied by the reference around ``native``'s product)."""
+
+    def run(x, w, s, b, *, group_size, bits, residual=None, norm_weight=None, eps=1e-6,
+            swiglu=False):  # fmt: skip
+        if norm_weight is not None:
+            x = mx.fast.rms_norm(x, norm_weight, eps)
+        y = native(x, w, s, b, group_size=group_size, bits=bits)
+        if swiglu:
+            y = qm._swiglu(*mx.split(y, 2, axis=-1))
+        return y if residual is None else residual + y
+
+    return run
+
+
+def _norm_weight(k=1024):
+    return mx.random.uniform(0.5, 1.5, (k,), key=mx.random.key(77)).astype(mx.bfloat16)
+
+
+def test_norm_and_swiglu_ride_in_one_launch(monkeypatch):
+    calls = []
+
+    def native(x, *a, **kw):
+        calls.append(kw)
+        return _stub_variants(_reference_rows)(x, *a, **kw)
+
+    _pretend_gpu(monkeypatch, native)
+    x, w, s, b = _layer_inputs()
+    nw = _norm_weight()
+    y = qm.quantized_matmul(x[:3], w, s, b, group_size=64, bits=4, norm_weight=nw, swiglu=True)
+    assert calls[-1]["swiglu"] is True and calls[-1]["norm_weight"] is nw  # one launch
+    assert len(calls) == 4  # the variant's self-check (M = 1, 3, 8), then the product
+    want = qm.quantized_matmul_ops(x[:3], w, s, b, group_size=64, bits=4, norm_weight=nw,
+                                   swiglu=True)  # fmt: skip
+    assert y.shape == (3, 20) and mx.array_equal(y, want).item()
+
+
+def test_a_variant_that_fails_its_check_runs_as_separate_ops_around_the_product(monkeypatch):
+    """A norm variant that ignores the norm is refused; the norm then runs as MLX's op before
+    the plain product, which still runs natively (its own check passed)."""
+    plain_calls = []
+
+    def native(x, *a, norm_weight=None, **kw):  # forgets the norm
+        if norm_weight is None:
+            plain_calls.append(x.shape[0])
+        return _stub_variants(_reference_rows)(x, *a, **kw)
+
+    _pretend_gpu(monkeypatch, native)
+    x, w, s, b = _layer_inputs()
+    nw = _norm_weight()
+    with pytest.warns(RuntimeWarning, match="quantized_matmul_norm kernel disagrees"):
+        y = qm.quantized_matmul(x[:2], w, s, b, group_size=64, bits=4, norm_weight=nw)
+    assert plain_calls[-1] == 2  # the product after the norm: native
+    want = _reference_rows(mx.fast.rms_norm(x[:2], nw, 1e-6), w, s, b, group_size=64, bits=4)
+    assert mx.array_equal(y, want).item()
+
+
+def test_a_norm_weight_of_another_dtype_is_applied_before_the_product(monkeypatch):
+    calls = []
+
+    def native(x, *a, **kw):
+        calls.append(kw.get("norm_weight") is not None)
+        return _stub_variants(_reference_rows)(x, *a, **kw)
+
+    _pretend_gpu(monkeypatch, native)
+    x, w, s, b = _layer_inputs()
+    nw = _norm_weight().astype(mx.float32)  # not x's dtype: the kernel reads x's
+    y = qm.quantized_matmul(x[:2], w, s, b, group_size=64, bits=4, norm_weight=nw)
+    assert not any(calls)  # (the normed x is float32 here: MLX's product takes it)
+    normed = mx.fast.rms_norm(x[:2], nw, 1e-6)
+    assert mx.array_equal(y, qm.quantized_matmul_ops(normed, w, s, b, group_size=64, bits=4)).item()
+
+
+def test_fused_projection_switches_put_norm_and_swiglu_apart(monkeypatch):
+    calls = []
+
+    def native(x, *a, **kw):
+        calls.append((kw.get("norm_weight") is not None, kw.get("swiglu")))
+        return _stub_variants(_reference_rows)(x, *a, **kw)
+
+    _pretend_gpu(monkeypatch, native)
+    x, w, s, b = _layer_inputs(n=80)
+    gate, up = _linear(w[:40], s[:40], b[:40]), _linear(w[40:], s[40:], b[40:])
+    norm = nn.RMSNorm(1024, eps=1e-6)
+    norm.weight = _norm_weight()
+    fused = qm.FusedProjection([gate, up], swiglu=True)
+    h = x[:3].reshape(1, 3, -1)
+    want = qm._swiglu(gate(norm(h)), up(norm(h)))
+    assert mx.array_equal(fused(h, norm), want).item()
+    assert calls[-1] == (True, True)
+    monkeypatch.setattr(qm, "FUSE_NORM", False)
+    monkeypatch.setattr(qm, "FUSE_SWIGLU", False)
+    assert mx.array_equal(fused(h, norm), want).item()
+    assert calls[-1] == (False, False)
+    with pytest.raises(ValueError, match="gate and an up"):
+        qm.FusedProjection([gate, up, gate], swiglu=True)
+
+
 LAYOUTS = [(bits, gs, mx.bfloat16) for bits in (4, 8) for gs in (32, 64, 128)]
 LAYOUTS += [(4, 64, mx.float16), (8, 64, mx.float16)]
 
@@ -215,11 +314,33 @@ def test_cuda_residual_variant_is_the_product_plus_mlx_add_bitwise(dtype):
     x, w, s, b = _layer_inputs(n=72, k=2048, dtype=dtype, seed=21)
     r = (mx.random.normal((8, 72), key=mx.random.key(22)) * 4).astype(dtype)
     kw = {"group_size": 64, "bits": 4}
-    assert qm._self_check(dtype, dtype, 64, 4, residual=True) is None
+    assert qm._self_check(dtype, dtype, 64, 4, qm.Variant(residual=True)) is None
     for m in range(1, 9):
         fused = qm.quantized_matmul_native(x[:m], w, s, b, residual=r[:m], **kw)
         plain = qm.quantized_matmul_native(x[:m], w, s, b, **kw)
         assert mx.array_equal(fused, r[:m] + plain).item(), f"M={m}"
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_cuda_norm_and_swiglu_variants_pass_their_checks_and_are_row_invariant(dtype, bits):
+    """The MLP's launch (norm in, swiglu out) and the input projections' (norm in): near the
+    separate ops, and every row of M = 1..8 bitwise the same."""
+    x, w, s, b = _layer_inputs(n=144, k=2048, bits=bits, dtype=dtype, seed=31)
+    x = x * 3
+    nw = (_norm_weight(2048) * 0.2).astype(dtype)  # float16 must hold swiglu of the products
+    for swiglu in (False, True):
+        assert qm._self_check(dtype, dtype, 64, bits, qm.Variant(1e-6, swiglu)) is None
+        kw = {"group_size": 64, "bits": bits, "norm_weight": nw, "swiglu": swiglu}
+        full = qm.quantized_matmul_native(x, w, s, b, **kw)
+        want = qm.quantized_matmul_ops(x, w, s, b, **kw).astype(mx.float32)
+        err = mx.abs(full.astype(mx.float32) - want).max().item()
+        assert err <= 2e-2 * mx.abs(want).max().item()
+        for m in range(1, 9):
+            part = qm.quantized_matmul_native(x[:m], w, s, b, **kw)
+            assert part.shape == (m, 72 if swiglu else 144)
+            assert mx.array_equal(part, full[:m]).item(), f"M={m} swiglu={swiglu}"
 
 
 @cuda

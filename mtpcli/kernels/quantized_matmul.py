@@ -18,9 +18,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu as _swiglu
 
 from . import available, backend, built, changed, kernel_name, use_native
 
@@ -30,11 +32,24 @@ GROUP_SIZES = (32, 64, 128)
 BITS = (4, 8)
 
 
-def quantized_matmul_ops(x, w, scales, biases, *, group_size: int, bits: int) -> mx.array:
-    """Ops reference: x [..., K] times the dequantized w [N, K] transposed -> [..., N]."""
-    return mx.quantized_matmul(
+def quantized_matmul_ops(
+    x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None,
+    norm_weight: mx.array | None = None, eps: float = 1e-6, swiglu: bool = False,
+) -> mx.array:  # fmt: skip
+    """Ops reference: x [..., K] times the dequantized w [N, K] transposed -> [..., N].
+
+    Options, as MLX and mlx-lm compute them: ``norm_weight`` [K] RMS-normalises x first
+    (``mx.fast.rms_norm`` with ``eps``); ``swiglu`` gives swiglu(first half, second half) of
+    the outputs, [..., N/2] (gate and up projections as one weight); ``residual`` is added.
+    """
+    if norm_weight is not None:
+        x = mx.fast.rms_norm(x, norm_weight, eps)
+    y = mx.quantized_matmul(
         x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits
     )
+    if swiglu:
+        y = _swiglu(*mx.split(y, 2, axis=-1))
+    return y if residual is None else residual + y
 
 
 _HEADER_CUDA = """
@@ -92,6 +107,17 @@ __device__ __forceinline__ __half2 qm_ints(uint32_t w, int i, __half) {
   return __hsub2(*reinterpret_cast<const __half2*>(&m), *reinterpret_cast<const __half2*>(&c));
 }
 
+// A value rounded to the activations' type XT (the kernel's template type), as MLX's ops round.
+#define QM_RD(v) static_cast<float>(static_cast<XT>(v))
+
+// A word of two activations as a pair of their type.
+__device__ __forceinline__ __nv_bfloat162 qm_pair(uint32_t u, __nv_bfloat16) {
+  return *reinterpret_cast<__nv_bfloat162*>(&u);
+}
+__device__ __forceinline__ __half2 qm_pair(uint32_t u, __half) {
+  return *reinterpret_cast<__half2*>(&u);
+}
+
 __device__ __forceinline__ void qm_mma(
     float* c, const uint32_t* a, const uint32_t* b, __nv_bfloat16) {
   asm volatile(
@@ -117,7 +143,7 @@ __device__ __forceinline__ void qm_mma(
 # A and B fragments of m16n8k16, up to a permutation of k inside each mma, which is the same for
 # A and B and so leaves each product's terms unchanged. The warps' partial tiles are added in
 # warp order. x rows g >= M are zeros; nothing else depends on M.
-_CUDA_SOURCE = """
+_CUDA_TEMPLATE = """
     constexpr int VPW = 32 / BITS;              // values per word
     constexpr int STEPS = VPW / 4;              // mma k-steps per word
     constexpr int XW = VPW / 2;                 // x words (2 values each) per weight word
@@ -129,12 +155,10 @@ _CUDA_SOURCE = """
     const int warp = threadIdx.x >> 5;
     const int g = lane >> 2;
     const int t = lane & 3;
-    const int r_lo = blockIdx.x * 16 + g;
-    const int r_hi = r_lo + 8;
+    ROWS
     const int words = K / VPW;
     const int groups = K / GS;
     const int stretches = words / 16;
-    const size_t lo = min(r_lo, N - 1), hi = min(r_hi, N - 1);  // rows past N: any row, unused
     const uint32_t* w_lo = w + lo * words;
     const uint32_t* w_hi = w + hi * words;
     const ST* s_lo = scales + lo * groups;
@@ -142,6 +166,7 @@ _CUDA_SOURCE = """
     const ST* s_hi = scales + hi * groups;
     const ST* b_hi = biases + hi * groups;
     const uint32_t* x_g = reinterpret_cast<const uint32_t*>(x) + (size_t)min(g, M - 1) * (K / 2);
+    NORM_INIT
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     auto pair = [](ST v) {  // a scale or bias as a pair of x's type
       const XT h = static_cast<XT>(static_cast<float>(v));
@@ -173,6 +198,7 @@ _CUDA_SOURCE = """
         } else {
           for (int i = 0; i < XW; ++i) xv[i] = 0u;
         }
+        NORM_X
         for (int s = 0; s < STEPS; ++s) {
           uint32_t a[4], b[2];
           a[0] = qm_as_u32(__hfma2(qm_ints<BITS>(wl[j], 2 * s, XT{}), s2_lo, b2_lo));
@@ -187,21 +213,77 @@ _CUDA_SOURCE = """
     }
     __shared__ float part[WARPS * 32 * 4];
     for (int i = 0; i < 4; ++i) part[(warp * 32 + lane) * 4 + i] = c[i];
+    NORM_PART
     __syncthreads();
     if (warp == 0) {
+      float acc[4];  // rows r_lo (0, 1) and r_hi (2, 3), x rows 2t and 2t + 1
       for (int i = 0; i < 4; ++i) {
-        float acc = part[lane * 4 + i];
-        for (int v = 1; v < WARPS; ++v) acc = acc + part[(v * 32 + lane) * 4 + i];
-        const int row = i < 2 ? r_lo : r_hi;
-        const int m = 2 * t + (i & 1);
-        if (row < N && m < M) y[(size_t)m * N + row] = static_cast<XT>(acc);
+        acc[i] = part[lane * 4 + i];
+        for (int v = 1; v < WARPS; ++v) acc[i] = acc[i] + part[(v * 32 + lane) * 4 + i];
       }
+      NORM_SCALE
+      STORE
     }
 """
+# The plain product's rows and store: a tile is 16 consecutive rows.
+_CUDA_ROWS = """const int r_lo = blockIdx.x * 16 + g;
+    const int r_hi = r_lo + 8;
+    const size_t lo = min(r_lo, N - 1), hi = min(r_hi, N - 1);  // rows past N: any row, unused"""
+_CUDA_STORE = """for (int i = 0; i < 4; ++i) {
+        const int row = i < 2 ? r_lo : r_hi;
+        const int m = 2 * t + (i & 1);
+        if (row < N && m < M) y[(size_t)m * N + row] = static_cast<XT>(acc[i]);
+      }"""
+# The swiglu variant: a tile is 8 gate rows and their 8 up rows (the weight's second half),
+# so each lane holds both halves of its outputs, and the store makes swiglu(gate, up) [M, N/2]
+# with mlx-lm's roundings (silu(gate) * up, each op rounded to x's dtype).
+_CUDA_ROWS_SWIGLU = """const int NY = N / 2;  // outputs: gate row r, up row r + NY
+    const int r_lo = blockIdx.x * 8 + g;
+    const size_t lo = min(r_lo, NY - 1), hi = lo + NY;  // rows past NY: any pair, unused"""
+_CUDA_STORE_SWIGLU = """for (int i = 0; i < 2; ++i) {
+        const int m = 2 * t + i;
+        if (r_lo < NY && m < M) {
+          const float gt = QM_RD(acc[i]), up = QM_RD(acc[i + 2]);
+          const float sg = QM_RD(1.0f / (1.0f + expf(-gt)));
+          y[(size_t)m * NY + r_lo] = static_cast<XT>(QM_RD(gt * sg) * up);
+        }
+      }"""
+# The norm variant takes the un-normed x and an RMSNorm's weight [K] (x's dtype): it
+# multiplies x by the weight as it loads it (one rounding, as the product's inputs are) and
+# sums each row's squares on the way (a group's 4 lanes, then the warps, in a fixed order),
+# and scales the row's outputs by rsqrt(mean + eps) at the end: the norm's launch saved.
+_CUDA_NORM = {
+    "NORM_INIT": """const uint32_t* nw = reinterpret_cast<const uint32_t*>(norm_w);
+    float ss = 0.0f;  // x row g's squares over this lane's words""",
+    "NORM_X": """{
+          const uint32_t* nw_j = nw + (word0 + j) * XW;  // word by word: 3 registers fewer
+          for (int i = 0; i < XW; ++i) {
+            const XT2 p = qm_pair(xv[i], XT{});
+            const float x0 = static_cast<float>(p.x), x1 = static_cast<float>(p.y);
+            ss = fmaf(x0, x0, ss);
+            ss = fmaf(x1, x1, ss);
+            xv[i] = qm_as_u32(__hmul2(p, qm_pair(nw_j[i], XT{})));
+          }
+        }""",
+    "NORM_PART": """ss = ss + __shfl_xor_sync(0xffffffffu, ss, 1);
+    ss = ss + __shfl_xor_sync(0xffffffffu, ss, 2);
+    __shared__ float ss_part[WARPS * 8];
+    if (t == 0) ss_part[warp * 8 + g] = ss;""",
+    "NORM_SCALE": """for (int i = 0; i < 2; ++i) {
+        const int m = 2 * t + i;
+        float sq = ss_part[m];
+        for (int v = 1; v < WARPS; ++v) sq = sq + ss_part[v * 8 + m];
+        const float inv = rsqrtf(sq / K + NORM_EPS);
+        acc[i] = acc[i] * inv;
+        acc[i + 2] = acc[i + 2] * inv;
+      }""",
+}
 
 # Metal has no m16n8k16; the same tile, split-K and warp-order reduction, with lane (g, t)
 # accumulating its rows' products for every x row itself and the 4 lanes of a row added last.
-_METAL_SOURCE = """
+# The variants' splices are the CUDA ones' (``_METAL_*``): same rows, same roundings, and the
+# squares of each x row summed in the same order.
+_METAL_TEMPLATE = """
     constexpr int VPW = 32 / BITS;
     constexpr uint MASK = (1u << BITS) - 1u;
     const int M = x_shape[0];
@@ -211,16 +293,15 @@ _METAL_SOURCE = """
     const int warp = simdgroup_index_in_threadgroup;
     const int g = lane >> 2;
     const int t = lane & 3;
-    const int r_lo = threadgroup_position_in_grid.x * 16 + g;
-    const int r_hi = r_lo + 8;
+    ROWS
     const int words = K / VPW;
     const int groups = K / GS;
     const int stretches = words / 16;
-    const size_t lo = min(r_lo, N - 1), hi = min(r_hi, N - 1);  // rows past N: any row, unused
     device const uint32_t* w_lo = w + lo * words;
     device const uint32_t* w_hi = w + hi * words;
     float c_lo[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     float c_hi[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    NORM_INIT
     for (int st = warp; st < stretches; st += WARPS) {
       const int word0 = st * 16 + t * 4;
       const int grp = (word0 * VPW) / GS;
@@ -238,7 +319,8 @@ _METAL_SOURCE = """
           const float wh = float(XT(fma(float((qh >> (BITS * i)) & MASK), s_hi, b_hi)));
           for (int m = 0; m < 8; ++m) {
             if (m < M) {
-              const float xm = static_cast<float>(x[(size_t)m * K + k]);
+              float xm = static_cast<float>(x[(size_t)m * K + k]);
+              NORM_X
               c_lo[m] = fma(xm, wl, c_lo[m]);
               c_hi[m] = fma(xm, wh, c_hi[m]);
             }
@@ -259,59 +341,141 @@ _METAL_SOURCE = """
         part[(warp * 16 + g + 8) * 8 + m] = c_hi[m];
       }
     }
+    NORM_PART
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (warp == 0 && lane < 16) {
+    STORE
+"""
+_METAL_ROWS = """const int r_lo = threadgroup_position_in_grid.x * 16 + g;
+    const int r_hi = r_lo + 8;
+    const size_t lo = min(r_lo, N - 1), hi = min(r_hi, N - 1);  // rows past N: any row, unused"""
+_METAL_STORE = """if (warp == 0 && lane < 16) {
       const int row = threadgroup_position_in_grid.x * 16 + lane;
       for (int m = 0; m < M; ++m) {
         float acc = part[lane * 8 + m];
         for (int v = 1; v < WARPS; ++v) acc = acc + part[(v * 16 + lane) * 8 + m];
+        NORM_SCALE
         if (row < N) y[(size_t)m * N + row] = static_cast<XT>(acc);
       }
-    }
-"""
+    }"""
+_METAL_ROWS_SWIGLU = """const int NY = N / 2;  // outputs: gate row r, up row r + NY
+    const int r_lo = threadgroup_position_in_grid.x * 8 + g;
+    const size_t lo = min(r_lo, NY - 1), hi = lo + NY;  // rows past NY: any pair, unused"""
+_METAL_STORE_SWIGLU = """if (warp == 0 && lane < 8) {
+      const int row = threadgroup_position_in_grid.x * 8 + lane;
+      for (int m = 0; m < M; ++m) {
+        float acc = part[lane * 8 + m];  // the gate row
+        float up_acc = part[(lane + 8) * 8 + m];  // its up row
+        for (int v = 1; v < WARPS; ++v) {
+          acc = acc + part[(v * 16 + lane) * 8 + m];
+          up_acc = up_acc + part[(v * 16 + lane + 8) * 8 + m];
+        }
+        NORM_SCALE
+        const float gt = float(XT(acc)), up = float(XT(up_acc));
+        const float sg = float(XT(1.0f / (1.0f + exp(-gt))));
+        if (row < NY) y[(size_t)m * NY + row] = static_cast<XT>(float(XT(gt * sg)) * up);
+      }
+    }"""
+_METAL_NORM = {
+    "NORM_INIT": "float ss[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // x rows' squares, this lane's k",
+    "NORM_X": """ss[m] = fma(xm, xm, ss[m]);
+              xm = float(XT(xm * static_cast<float>(norm_w[k])));""",
+    "NORM_PART": """threadgroup float ss_part[WARPS * 8];
+    for (int m = 0; m < 8; ++m) {
+      for (ushort off = 1; off < 4; off <<= 1) ss[m] = ss[m] + simd_shuffle_xor(ss[m], off);
+      if (lane == 0) ss_part[warp * 8 + m] = ss[m];
+    }""",
+    "NORM_SCALE": """float sq = ss_part[m];
+        for (int v = 1; v < WARPS; ++v) sq = sq + ss_part[v * 8 + m];
+        const float inv = rsqrt(sq / K + NORM_EPS);
+        acc = acc * inv;
+        SCALE_UP""",
+}
 
 # The residual variant adds a residual [M, N] (x's dtype) to the rounded product in its store,
 # as MLX's add would (float sum of two x-dtype values, rounded once): a layer's ``h + proj(x)``
 # in one launch instead of two, with the same bits.
-_STORE = "= static_cast<XT>(acc);"
-_STORE_ADD = (
-    "= static_cast<XT>(static_cast<float>(static_cast<XT>(acc))\n"
-    "            + static_cast<float>(residual[(size_t)m * N + row]));"
-)
+_STORES = ("= static_cast<XT>(acc[i]);", "= static_cast<XT>(acc);")  # CUDA, Metal
 
 
 def with_residual(source: str) -> str:
     """A product's source with the residual added in its store (CUDA or Metal)."""
-    assert source.count(_STORE) == 1, "the product's store is not where it was"
-    return source.replace(_STORE, _STORE_ADD)
+    for store in _STORES:
+        if source.count(store) == 1:
+            added = (
+                f"= static_cast<XT>(static_cast<float>({store[2:-1]})\n"
+                "            + static_cast<float>(residual[(size_t)m * N + row]));"
+            )
+            return source.replace(store, added)
+    raise AssertionError("the product's store is not where it was")
 
 
-_INPUTS = ["x", "w", "scales", "biases"]
+@dataclass(frozen=True)
+class Variant:
+    """What one launch does besides the product: RMS-normalise x first (with this eps),
+    swiglu the two halves of its outputs, add a residual in its store."""
+
+    norm_eps: float | None = None
+    swiglu: bool = False
+    residual: bool = False
+
+    def suffix(self) -> str:
+        return ("_norm" * (self.norm_eps is not None) + "_swiglu" * self.swiglu
+                + "_add" * self.residual)  # fmt: skip
+
+
+PLAIN = Variant()
+
+
+def source(metal: bool, variant: Variant = PLAIN) -> str:
+    """One variant's kernel body for one backend, its splices filled in."""
+    norm = variant.norm_eps is not None
+    if metal:
+        text, splices = _METAL_TEMPLATE, _METAL_NORM
+        rows, store = ((_METAL_ROWS_SWIGLU, _METAL_STORE_SWIGLU) if variant.swiglu
+                       else (_METAL_ROWS, _METAL_STORE))  # fmt: skip
+    else:
+        text, splices = _CUDA_TEMPLATE, _CUDA_NORM
+        rows, store = ((_CUDA_ROWS_SWIGLU, _CUDA_STORE_SWIGLU) if variant.swiglu
+                       else (_CUDA_ROWS, _CUDA_STORE))  # fmt: skip
+    text = text.replace("ROWS", rows).replace("STORE", store)
+    for token, code in splices.items():
+        text = text.replace(token, code if norm else "")
+    text = text.replace("SCALE_UP", "up_acc = up_acc * inv;" if variant.swiglu else "")
+    if norm:
+        text = text.replace("NORM_EPS", f"{variant.norm_eps:.9e}f")
+    if variant.residual:
+        assert not variant.swiglu, "a swiglu output has no residual"
+        text = with_residual(text)
+    return text
+
+
+_CUDA_SOURCE, _METAL_SOURCE = source(False), source(True)  # the plain product's
 _kernels: dict = {}
 
 
-def _spec(source: str, header: str, residual: bool = False) -> dict:
-    if residual:
-        source = with_residual(source)
+def _spec(metal: bool, header: str, variant: Variant = PLAIN) -> dict:
+    text = source(metal, variant)
     return {
-        "name": kernel_name("mtp_qmm_add" if residual else "mtp_qmm", source, header),
-        "input_names": _INPUTS + (["residual"] if residual else []),
+        "name": kernel_name("mtp_qmm" + variant.suffix(), text, header),
+        "input_names": ["x", "w", "scales", "biases"]
+        + ["norm_w"] * (variant.norm_eps is not None)
+        + ["residual"] * variant.residual,
         "output_names": ["y"],
-        "source": source,
+        "source": text,
         "header": header,
     }
 
 
-def _build_cuda(header: str = _HEADER_CUDA, residual: bool = False):
+def _build_cuda(variant: Variant, header: str = _HEADER_CUDA):
     if not available("cuda"):
         return None
-    return mx.fast.cuda_kernel(**_spec(_CUDA_SOURCE, header, residual))
+    return mx.fast.cuda_kernel(**_spec(False, header, variant))
 
 
-def _build_metal(residual: bool = False):
+def _build_metal(variant: Variant):
     if not available("metal"):
         return None
-    return mx.fast.metal_kernel(**_spec(_METAL_SOURCE, "", residual))
+    return mx.fast.metal_kernel(**_spec(True, "", variant))
 
 
 def launch_bounds(warps: int, min_blocks: int) -> str:
@@ -323,28 +487,41 @@ def launch_bounds(warps: int, min_blocks: int) -> str:
             f"__launch_bounds__({32 * warps}, {min_blocks})\n")  # fmt: skip
 
 
-def _kernel(warps: int = WARPS, min_blocks: int | None = None, residual: bool = False):
-    if min_blocks is None:
-        return built(_kernels, (residual,), lambda: _build_cuda(residual=residual),
-                     lambda: _build_metal(residual))  # fmt: skip
-    header = _HEADER_CUDA + launch_bounds(warps, min_blocks)
-    return built(_kernels, ("bounds", warps, min_blocks, residual),
-                 lambda: _build_cuda(header, residual), lambda: _build_metal(residual))  # fmt: skip
+# The norm variants take 67-68 registers unbounded (3 blocks of 8 warps a multiprocessor);
+# bounded to 4 blocks, ptxas fits them in 64 without spills (tests/test_cuda_compile.py).
+NORM_MIN_BLOCKS = 4
+
+
+def header(variant: Variant, warps: int = WARPS, min_blocks: int | None = None) -> str:
+    """The CUDA header a variant's kernel is built with (``min_blocks``: launch bounds)."""
+    if min_blocks is None and variant.norm_eps is not None and warps == WARPS:
+        min_blocks = NORM_MIN_BLOCKS
+    return _HEADER_CUDA + (launch_bounds(warps, min_blocks) if min_blocks else "")
+
+
+def _kernel(variant: Variant, warps: int = WARPS, min_blocks: int | None = None):
+    text = header(variant, warps, min_blocks)
+    return built(_kernels, (variant, text), lambda: _build_cuda(variant, text),
+                 lambda: _build_metal(variant))  # fmt: skip
 
 
 def quantized_matmul_native(
     x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None,
+    norm_weight: mx.array | None = None, eps: float = 1e-6, swiglu: bool = False,
     warps: int = WARPS, min_blocks: int | None = None,
 ):  # fmt: skip
-    """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype (plus ``residual`` [M, N],
-    x's dtype, if given); None where there is none. ``warps`` and ``min_blocks`` (launch
-    bounds, CUDA) are for benchmarks (scripts/bench_qmm.py)."""
-    kernel = _kernel(warps, min_blocks, residual is not None)
+    """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype (see ``quantized_matmul_ops``
+    for the options; ``norm_weight`` and ``residual`` in x's dtype); None where there is none.
+    ``warps`` and ``min_blocks`` (launch bounds, CUDA) are for benchmarks (bench_qmm.py)."""
+    variant = Variant(eps if norm_weight is not None else None, swiglu, residual is not None)
+    kernel = _kernel(variant, warps, min_blocks)
     if kernel is None:
         return None
     M, N = x.shape[0], w.shape[0]
+    n_out, tile = (N // 2, 8) if swiglu else (N, 16)  # outputs, and of them a tile's
+    extra = [a for a in (norm_weight, residual) if a is not None]
     return kernel(
-        inputs=[x, w, scales, biases] + ([residual] if residual is not None else []),
+        inputs=[x, w, scales, biases, *extra],
         template=[
             ("XT", x.dtype),
             ("ST", scales.dtype),
@@ -352,9 +529,9 @@ def quantized_matmul_native(
             ("GS", group_size),
             ("WARPS", warps),
         ],  # fmt: skip
-        grid=(32 * warps * ((N + 15) // 16), 1, 1),
+        grid=(32 * warps * ((n_out + tile - 1) // tile), 1, 1),
         threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(M, N)],
+        output_shapes=[(M, n_out)],
         output_dtypes=[x.dtype],
     )[0]
 
@@ -371,20 +548,25 @@ def random_quantized(n: int, k: int, group_size: int, bits: int, dtype, seed: in
     return w, scales, biases
 
 
-def _self_check(dtype, sdtype, group_size: int, bits: int, residual: bool = False) -> str | None:
-    """Agreement with the reference and row invariance (M = 1, 3, 8), on 40 rows of K = 1024
-    (``residual``: of the variant that adds one)."""
-    n, k = 40, 1024  # 40 rows: a partial last tile
+def _self_check(dtype, sdtype, group_size: int, bits: int, variant: Variant = PLAIN) -> str | None:
+    """Agreement with the reference and row invariance (M = 1, 3, 8) of one variant, on 40
+    weight rows of K = 1024."""
+    n, k = 40, 1024  # 40 rows: a partial last tile (of 16 rows; with swiglu, of 8 pairs)
     w, scales, biases = random_quantized(n, k, group_size, bits, sdtype, seed=7)
-    x = mx.random.normal((8, k), key=mx.random.key(8)).astype(dtype)
-    r = mx.random.normal((8, n), key=mx.random.key(9)).astype(dtype) if residual else None
-    kw = {"group_size": group_size, "bits": bits}
+    x = (mx.random.normal((8, k), key=mx.random.key(8)) * 3).astype(dtype)
+    opts: dict = {"group_size": group_size, "bits": bits, "swiglu": variant.swiglu}
+    if variant.norm_eps is not None:
+        opts["eps"] = variant.norm_eps
+        # small enough that float16 holds swiglu of 8-bit products (their weights are large)
+        nw = mx.random.uniform(0.1, 0.3, (k,), key=mx.random.key(10))
+        opts["norm_weight"] = nw.astype(dtype)
+    n_out = n // 2 if variant.swiglu else n
+    r = mx.random.normal((8, n_out), key=mx.random.key(9)).astype(dtype)
+    rows = (lambda m: {"residual": r[:m]}) if variant.residual else (lambda m: {})
     try:
-        extra = (lambda m: {}) if r is None else (lambda m: {"residual": r[:m]})
-        got = {m: quantized_matmul_native(x[:m], w, scales, biases, **kw, **extra(m))
+        got = {m: quantized_matmul_native(x[:m], w, scales, biases, **opts, **rows(m))
                for m in (1, 3, 8)}  # fmt: skip
-        want = quantized_matmul_ops(x, w, scales, biases, **kw)
-        want = want if r is None else r + want
+        want = quantized_matmul_ops(x, w, scales, biases, **opts, **rows(8))
         mx.eval(got, want)
     except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
         return f"{type(e).__name__}: {e}"
@@ -411,34 +593,50 @@ def supported(x: mx.array, w: mx.array, group_size: int, bits: int) -> bool:
 
 
 def quantized_matmul(
-    x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None
-) -> mx.array:
-    """x [..., K] times the dequantized w [N, K] transposed (plus ``residual`` [..., N], if
-    given), on the best trusted path."""
+    x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None,
+    norm_weight: mx.array | None = None, eps: float = 1e-6, swiglu: bool = False,
+) -> mx.array:  # fmt: skip
+    """``quantized_matmul_ops`` (same options) on the best trusted path: one native launch
+    where the variant runs natively here, else the options as their own ops around the
+    product, which may still run natively."""
     rows, n = math.prod(x.shape[:-1]), w.shape[0]
-    add = residual is not None
-    if add and (residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype):
-        return residual + quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+    variant = Variant(eps if norm_weight is not None else None, swiglu, residual is not None)
+    n_out = n // 2 if swiglu else n
     if (
         backend() != "cpu"
         and 1 <= rows <= MAX_ROWS
         and biases is not None
         and supported(x, w, group_size, bits)
+        and (not swiglu or (n % 2 == 0 and residual is None))
+        and (
+            residual is None
+            or (residual.shape == (*x.shape[:-1], n_out) and residual.dtype == x.dtype)
+        )  # fmt: skip
+        and (
+            norm_weight is None
+            or (norm_weight.shape == (x.shape[-1],) and norm_weight.dtype == x.dtype)
+        )  # fmt: skip
         and use_native(
-            "quantized_matmul_add" if add else "quantized_matmul",
-            (backend(), str(x.dtype), str(scales.dtype), group_size, bits),
-            lambda: _self_check(x.dtype, scales.dtype, group_size, bits, add),
+            "quantized_matmul" + variant.suffix(),
+            (backend(), str(x.dtype), str(scales.dtype), group_size, bits, variant.norm_eps),
+            lambda: _self_check(x.dtype, scales.dtype, group_size, bits, variant),
         )
     ):
-        extra = {"residual": residual.reshape(rows, n)} if add else {}
+        extra = {"residual": residual.reshape(rows, n_out)} if residual is not None else {}
         out = quantized_matmul_native(
             x.reshape(rows, x.shape[-1]), w, scales, biases, group_size=group_size, bits=bits,
-            **extra,
+            norm_weight=norm_weight, eps=eps, swiglu=swiglu, **extra,
         )  # fmt: skip
         if out is not None:
-            return out.reshape(*x.shape[:-1], n)
-    y = quantized_matmul_ops(x, w, scales, biases, group_size=group_size, bits=bits)
-    return residual + y if add else y
+            return out.reshape(*x.shape[:-1], n_out)
+    if variant == PLAIN:
+        return quantized_matmul_ops(x, w, scales, biases, group_size=group_size, bits=bits)
+    if norm_weight is not None:
+        x = mx.fast.rms_norm(x, norm_weight, eps)
+    y = quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+    if swiglu:
+        y = _swiglu(*mx.split(y, 2, axis=-1))
+    return y if residual is None else residual + y
 
 
 # Whether ``linear_add`` lets our product add the residual (benchmarks turn it off to compare).
@@ -477,19 +675,31 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
         )  # fmt: skip
 
 
+# Whether fused projections take their input norm / make their swiglu in the product's launch
+# (benchmarks turn them off to compare).
+FUSE_NORM = True
+FUSE_SWIGLU = True
+
+
 class FusedProjection(nn.Module):
     """Sibling quantized projections of one input as one product (one launch, one weight read).
 
     The siblings' weights are concatenated along the output axis once; the siblings keep views
     of their rows, so no weight is stored twice. Our kernel computes each output row the same
     way whatever the other rows are, so the fused outputs equal the separate ones bitwise.
+    With ``swiglu`` the two siblings are an MLP's gate and up, and the product returns
+    swiglu(gate, up). Called with the RMSNorm that precedes it, the product normalises its
+    input itself (the norm's launch saved, its rounding the product's).
     """
 
-    def __init__(self, linears: list[nn.QuantizedLinear]):
+    def __init__(self, linears: list[nn.QuantizedLinear], swiglu: bool = False):
         super().__init__()
         first = linears[0]
         self.group_size, self.bits = first.group_size, first.bits
         self.sizes = [m.weight.shape[0] for m in linears]
+        if swiglu and (len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]):
+            raise ValueError(f"swiglu needs a gate and an up of one size, got {self.sizes}")
+        self.swiglu = swiglu
         self._cuts = [sum(self.sizes[: i + 1]) for i in range(len(self.sizes) - 1)]
         for name in ("weight", "scales", "biases"):
             fused = mx.concatenate([m[name] for m in linears])  # [sum(N), ...]
@@ -514,12 +724,18 @@ class FusedProjection(nn.Module):
             for m in linears
         )  # fmt: skip
 
-    def __call__(self, x: mx.array) -> mx.array:
-        """x [..., K] -> the siblings' outputs side by side, [..., sum(N)] (see ``split``)."""
-        return quantized_matmul(
+    def __call__(self, x: mx.array, norm: nn.RMSNorm | None = None) -> mx.array:
+        """x [..., K] (normed by ``norm`` first, if given) -> the siblings' outputs side by
+        side, [..., sum(N)] (see ``split``); with ``swiglu``, swiglu(gate, up) [..., N/2]."""
+        if norm is not None and not FUSE_NORM:
+            x, norm = norm(x), None
+        fold = self.swiglu and FUSE_SWIGLU
+        y = quantized_matmul(
             x, self["weight"], self["scales"], self["biases"],
-            group_size=self.group_size, bits=self.bits,
+            group_size=self.group_size, bits=self.bits, swiglu=fold,
+            **({} if norm is None else {"norm_weight": norm.weight, "eps": norm.eps}),
         )  # fmt: skip
+        return _swiglu(*self.split(y)) if self.swiglu and not fold else y
 
     def split(self, y: mx.array) -> list[mx.array]:
         return mx.split(y, self._cuts, axis=-1)
