@@ -156,17 +156,21 @@ def test_rollback_and_logits_are_views_not_copies(load, tmp_path):
 def test_row_policy_catches_an_op_that_is_not_row_invariant(load, monkeypatch):
     """An op whose batched rows differ from single rows is run row by row in a verify. (The
     4-bit model: on a GPU the bf16 model's layers are never probed, they always go row by row.)"""
+    from mtpcli.kernels import quantized_matmul as qm
     from mtpcli.models.qwen3_5 import RowPolicy
 
     target = load(bits=4).target
-    mlp = target.layers[0].mlp
-    original = type(mlp).__call__
+    assert target.layers[0].is_linear
+    # Layer 0's out projection: called in every configuration (its MLP is not, where the MLP's
+    # products are fused into one launch).
+    out_proj = target.layers[0].linear_attn.out_proj
+    original = qm.linear_add
 
-    def skewed(self, x):  # like a kernel that switches algorithm with the row count
-        out = original(self, x)
-        return out + 1e-2 * (x.shape[1] > 1) if self is mlp else out
+    def skewed(layer, x, residual):  # like a kernel that switches algorithm with the row count
+        out = original(layer, x, residual)
+        return out + 1e-2 * (x.shape[1] > 1) if layer is out_proj else out
 
-    monkeypatch.setattr(type(mlp), "__call__", skewed)
+    monkeypatch.setattr(qm, "linear_add", skewed)
     monkeypatch.setattr(target, "policy", RowPolicy())
     kernels.changed()  # the compiled layer functions were traced without the skew: retrace
     prompt = PROMPTS[3]
