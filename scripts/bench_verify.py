@@ -36,6 +36,7 @@ from mtpcli.bench import timed_ms as timed
 from mtpcli.engine.classic import generate_classic
 from mtpcli.kernels import conv_window as cw
 from mtpcli.kernels import gated_delta as gd
+from mtpcli.kernels import gated_norm as gn
 from mtpcli.kernels import quantized_matmul as qm
 from mtpcli.kernels.quantized_matmul import stock_layers
 from mtpcli.models import qwen3_5 as tm
@@ -241,7 +242,8 @@ def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = 
     arms = {
         "ours": (nullcontext, ours(target)),
         "ours_no_gc": (_no_gc, ours(target)),
-        "ours_conv_ops": (_conv_ops, ours(target)),
+        "ours_conv_ops": (_model_uses("conv_silu", cw.conv_silu_ops), ours(target)),
+        "ours_gated_norm_ops": (_model_uses("gated_norm", gn.gated_norm_ops), ours(target)),
         "ours_residual_apart": (_flags_off("FUSE_RESIDUAL"), ours(target)),
         "ours_norm_swiglu_apart": (_flags_off("FUSE_NORM", "FUSE_SWIGLU"), ours(target)),
         "ours_eager": (lambda: _compile("off"), ours(target)),
@@ -280,16 +282,22 @@ def _no_gc() -> Iterator[None]:
         gc.enable()
 
 
-@contextmanager
-def _conv_ops() -> Iterator[None]:
-    """The gated-delta layers' convolution as mlx-lm's four ops instead of one kernel."""
-    original, tm.conv_silu = tm.conv_silu, cw.conv_silu_ops
-    kernels.changed()  # retrace the compiled layer functions, and after
-    try:
-        yield
-    finally:
-        tm.conv_silu = original
-        kernels.changed()
+def _model_uses(name: str, fn: Callable) -> Callable[[], AbstractContextManager[None]]:
+    """A setting under which the target's layers call ``fn`` for their function ``name`` (the
+    ops reference instead of one of our kernels, say) over an arm's runs."""
+
+    @contextmanager
+    def setting() -> Iterator[None]:
+        original = getattr(tm, name)
+        setattr(tm, name, fn)
+        kernels.changed()  # retrace the compiled layer functions, and after
+        try:
+            yield
+        finally:
+            setattr(tm, name, original)
+            kernels.changed()
+
+    return setting
 
 
 def _flags_off(*names: str) -> Callable[[], AbstractContextManager[None]]:
@@ -536,6 +544,7 @@ def _markdown(res: dict, args) -> str:
         c = res["classic_tps"]
         labels = {"ours": f"ours as run (qmm {res['qmm']}, compiled layer functions)",
                   "ours_conv_ops": "same, the convolution as mlx-lm's four ops",
+                  "ours_gated_norm_ops": "same, the gated norm as mlx-lm's two ops",
                   "ours_residual_apart": "same, the residual adds apart from the products",
                   "ours_norm_swiglu_apart": "same, the input norms and swiglu apart from the "
                   "products",

@@ -14,6 +14,7 @@ import pytest
 
 from mtpcli.kernels import conv_window as cw
 from mtpcli.kernels import gated_delta as gd
+from mtpcli.kernels import gated_norm as gn
 from mtpcli.kernels import quantized_matmul as qm
 
 NVCC = shutil.which("nvcc")
@@ -131,6 +132,15 @@ def test_launch_bounds_cap_the_products_registers(tmp_path, bits):
     code = _product(qm.PLAIN, BF16, bits, header=header)
     used = int(re.search(r"Used (\d+) registers", _compile(tmp_path, code)).group(1))
     assert used * 32 * qm.WARPS * 5 <= 65536, used
+
+
+@pytest.mark.parametrize("dtype", [BF16, HALF, F32])
+def test_gated_norm_kernel_compiles_without_spills(tmp_path, dtype):
+    types = {"y": dtype, "z": dtype, "weight": dtype}
+    constants = {"InT": dtype, "D": 128, "WARPS": gn._WARPS}
+    code = _wrap(gn._source(False, 1e-6), "", types, {"out": dtype}, constants)
+    report = _compile(tmp_path, code)
+    assert _no_spills(report), report
 
 
 def test_a_source_error_is_caught(tmp_path):

@@ -61,6 +61,40 @@ def kernel_name(base: str, *sources: str) -> str:
     return f"{base}_{digest}"
 
 
+# What differs between a kernel's CUDA and Metal spellings, as tokens in one source text: a
+# kernel written once with them is both backends' source, so its Metal kernel mirrors the CUDA
+# kernel line by line by construction.
+_SPELLINGS = {
+    False: {  # CUDA
+        "DEVICE ": "",
+        "SHARED": "__shared__",
+        "BARRIER": "__syncthreads()",
+        "LANE_OFFSET": "int",
+        "XOR_SHUFFLE(": "__shfl_xor_sync(0xffffffffu, ",
+    },
+    True: {  # Metal
+        "DEVICE ": "device ",
+        "SHARED": "threadgroup",
+        "BARRIER": "threadgroup_barrier(mem_flags::mem_threadgroup)",
+        "LANE_OFFSET": "ushort",
+        "XOR_SHUFFLE(": "simd_shuffle_xor(",
+        "expf(": "exp(",
+        "logf(": "log(",
+        "rsqrtf(": "rsqrt(",
+        "fmaxf(": "fmax(",
+        "fabsf(": "fabs(",
+        "fmaf(": "fma(",
+    },
+}
+
+
+def spell(source: str, metal: bool) -> str:
+    """A kernel source written with the backend tokens, spelled for CUDA or Metal."""
+    for token, text in _SPELLINGS[metal].items():
+        source = source.replace(token, text)
+    return source
+
+
 def built(cache: dict, key: tuple, cuda: Callable[[], object], metal: Callable[[], object]):
     """A kernel module's kernel ``key`` for the running backend, built once by that backend's
     builder; None where the backend has none (the CPU)."""

@@ -15,7 +15,7 @@ import itertools
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from . import available, backend, built, kernel_name, use_native
+from . import available, backend, built, kernel_name, spell, use_native
 
 
 @mx.compile
@@ -78,7 +78,7 @@ def _no_states(state: mx.array) -> mx.array:
 # and every warp's steps read them there (made in each warp, they were about half of a step's
 # instructions). A row's arithmetic depends on neither R, T nor which warp made its inputs.
 # Both backends' sources are this one text with their few differences filled in
-# (``_BACKENDS``), so the Metal kernel mirrors the CUDA kernel line by line by construction.
+# (``kernels.spell``), so the Metal kernel mirrors the CUDA kernel line by line by construction.
 # GATE_INPUTS, GATES and QK are spliced per variant: the plain one reads normalised q/k, the
 # decay g and beta; the "raw" one reads the layer's raw q/k, a and b and computes normalize_qk,
 # compute_g and sigmoid(b) itself (saving seven launches per layer per step).
@@ -179,36 +179,17 @@ _TEMPLATE = """
     }
 """
 
-# What differs between the backends' sources (everything else is one text, so the Metal kernel
-# mirrors the CUDA kernel line by line by construction). Applied after the splices below.
-_BACKENDS = {
-    False: {  # CUDA
-        "THREAD_INDICES": "const int lane = threadIdx.x & 31;\n"
-        "    const int warp = threadIdx.x >> 5;\n"
-        "    const int dv = (blockIdx.y * WARPS + warp) * R;\n"
-        "    const int n = blockIdx.z;",
-        "DEVICE ": "",
-        "SHARED": "__shared__",
-        "BARRIER": "__syncthreads()",
-        "LANE_OFFSET": "int",
-        "XOR_SHUFFLE(": "__shfl_xor_sync(0xffffffffu, ",
-    },
-    True: {  # Metal
-        "THREAD_INDICES": "const int lane = thread_index_in_simdgroup;\n"
-        "    const int warp = simdgroup_index_in_threadgroup;\n"
-        "    const int dv = (threadgroup_position_in_grid.y * WARPS + warp) * R;\n"
-        "    const int n = threadgroup_position_in_grid.z;",
-        "DEVICE ": "device ",
-        "SHARED": "threadgroup",
-        "BARRIER": "threadgroup_barrier(mem_flags::mem_threadgroup)",
-        "LANE_OFFSET": "ushort",
-        "XOR_SHUFFLE(": "simd_shuffle_xor(",
-        "expf(": "exp(",
-        "logf(": "log(",
-        "rsqrtf(": "rsqrt(",
-        "fmaxf(": "fmax(",
-        "fabsf(": "fabs(",
-    },
+# Where a warp's / SIMD-group's threads are: the rest of the two backends' differences are
+# ``kernels.spell``'s.
+_THREAD_INDICES = {
+    False: """const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int dv = (blockIdx.y * WARPS + warp) * R;
+    const int n = blockIdx.z;""",
+    True: """const int lane = thread_index_in_simdgroup;
+    const int warp = simdgroup_index_in_threadgroup;
+    const int dv = (threadgroup_position_in_grid.y * WARPS + warp) * R;
+    const int n = threadgroup_position_in_grid.z;""",
 }
 
 # The splices. Only the keep-states variant has the ``states`` output [T - 1, B, Hv, Dv, Dk]:
@@ -265,9 +246,7 @@ def _source(metal: bool, keep: bool, raw: bool) -> str:
     source = _TEMPLATE.replace("KEEP_STATES", _KEEP if keep else "")
     for name, text in (_RAW if raw else _PLAIN).items():
         source = source.replace(name, text)
-    for token, text in _BACKENDS[metal].items():
-        source = source.replace(token, text)
-    return source
+    return spell(source.replace("THREAD_INDICES", _THREAD_INDICES[metal]), metal)
 
 
 def _spec(metal: bool, keep: bool, raw: bool) -> dict:

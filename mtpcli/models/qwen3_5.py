@@ -25,6 +25,7 @@ from ..config import ModelConfig
 from ..kernels import quantized_matmul
 from ..kernels.conv_window import conv_silu
 from ..kernels.gated_delta import gated_delta_raw
+from ..kernels.gated_norm import gated_norm
 from ..kernels.quantized_matmul import FusedProjection
 from ..weights import load_arrays, load_module_weights
 
@@ -141,8 +142,10 @@ def _gated_delta(m: qwen3_5.GatedDeltaNet, h, norm, conv_state, state, keep: boo
     # q/k normalisation, the decay and beta (mlx-lm's), then the recurrence: one launch where
     # a native kernel runs. Its T steps equal T one-step calls bitwise (chain parity).
     y, state, states = gated_delta_raw(q, k, v, a, b, m.A_log, m.dt_bias, state, keep_states=keep)
-    # one launch where our product runs
-    out = quantized_matmul.linear_add(m.out_proj, m.norm(y, z).reshape(B, S, -1), h)
+    # mlx-lm's gated norm (m.norm), then the out projection and the residual: a launch each
+    # where our kernels run
+    normed = gated_norm(y, z, m.norm.weight, m.norm.eps)  # [B, S, Hv, Dv]
+    out = quantized_matmul.linear_add(m.out_proj, normed.reshape(B, S, -1), h)
     return (out, conv_input, window, state) + ((states,) if keep else ())
 
 
