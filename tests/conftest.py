@@ -83,3 +83,23 @@ def load(ckpts, pair_cache):
 @pytest.fixture(autouse=True)
 def _example_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "mtp-cache"))
+
+
+@pytest.fixture
+def tiny_mixer():
+    """mlx-lm's gated-delta mixer of a tiny shape, an input x [1, 3, 64], an empty conv window
+    and state, and x plus the mixer's output (what our layer's mixer part must give)."""
+    import mlx.core as mx
+    from mlx_lm.models import qwen3_5 as mlx_qwen
+
+    args = mlx_qwen.TextModelArgs(
+        model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=1, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6,
+        vocab_size=64, linear_num_value_heads=2, linear_num_key_heads=1,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+    )  # fmt: skip
+    m = mlx_qwen.GatedDeltaNet(args)
+    x = mx.random.normal((1, 3, 64), key=mx.random.key(2))
+    conv_state, state = mx.zeros((1, 3, m.conv_dim)), mx.zeros((1, 2, 32, 32))
+    return m, x, conv_state, state, x + m(x, cache=None)

@@ -57,24 +57,12 @@ def test_reference_block_equals_chain_of_single_positions(dtype):
     assert all(_bitwise(a, b) for a, b in zip(got, want, strict=True))
 
 
-def test_the_model_uses_it_and_a_wrong_one_breaks_exactness_vs_mlx_lm(monkeypatch):
+def test_the_model_uses_it_and_a_wrong_one_breaks_exactness_vs_mlx_lm(monkeypatch, tiny_mixer):
     """The gated-delta layer's convolution goes through ``conv_silu``: a wrong result there
     changes the layer output (so the mlx-lm parity tests cover this path)."""
-    from mlx_lm.models import qwen3_5 as mlx_qwen
-
     from mtpcli.models import qwen3_5 as tm
 
-    args = mlx_qwen.TextModelArgs(
-        model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=1, intermediate_size=64,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6,
-        vocab_size=64, linear_num_value_heads=2, linear_num_key_heads=1,
-        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-        full_attention_interval=4,
-    )  # fmt: skip
-    m = mlx_qwen.GatedDeltaNet(args)
-    x = mx.random.normal((1, 3, 64), key=mx.random.key(2))
-    conv_state, state = mx.zeros((1, 3, m.conv_dim)), mx.zeros((1, 2, 32, 32))
-    want = x + m(x, cache=None)  # the mixer added to its residual (the norm left out here)
+    m, x, conv_state, state, want = tiny_mixer  # the norm left out here: identity
     got = tm._gated_delta(m, x, lambda h: h, conv_state, state, keep=False)[0]
     assert mx.allclose(got, want, atol=1e-5).item()
 

@@ -151,24 +151,12 @@ def test_a_wrong_kernel_is_refused_with_a_warning(monkeypatch, wrong):
     assert mx.array_equal(out, gn.gated_norm_ops(y, z, w, EPS)).item()
 
 
-def test_the_model_runs_the_layer_norm_through_it(monkeypatch):
+def test_the_model_runs_the_layer_norm_through_it(monkeypatch, tiny_mixer):
     """The gated-delta layer's norm goes through ``gated_norm`` (on the CPU: mlx-lm's ops, so
     the mlx-lm parity tests cover it): a wrong result there changes the layer's output."""
-    from mlx_lm.models import qwen3_5 as mlx_qwen
-
     from mtpcli.models import qwen3_5 as tm
 
-    args = mlx_qwen.TextModelArgs(
-        model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=1, intermediate_size=64,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6,
-        vocab_size=64, linear_num_value_heads=2, linear_num_key_heads=1,
-        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-        full_attention_interval=4,
-    )  # fmt: skip
-    m = mlx_qwen.GatedDeltaNet(args)
-    x = mx.random.normal((1, 3, 64), key=mx.random.key(2))
-    conv_state, state = mx.zeros((1, 3, m.conv_dim)), mx.zeros((1, 2, 32, 32))
-    want = x + m(x, cache=None)
+    m, x, conv_state, state, want = tiny_mixer
     got = tm._gated_delta(m, x, lambda h: h, conv_state, state, keep=False)[0]
     assert mx.allclose(got, want, atol=1e-5).item()
     monkeypatch.setattr(tm, "gated_norm", lambda *args: gn.gated_norm_ops(*args) * 1.01)
