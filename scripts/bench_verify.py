@@ -242,10 +242,11 @@ def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = 
     arms = {
         "ours": (nullcontext, ours(target)),
         "ours_no_gc": (_no_gc, ours(target)),
-        "ours_conv_ops": (_model_uses("conv_silu", cw.conv_silu_ops), ours(target)),
-        "ours_gated_norm_ops": (_model_uses("gated_norm", gn.gated_norm_ops), ours(target)),
-        "ours_residual_apart": (_flags_off("FUSE_RESIDUAL"), ours(target)),
-        "ours_norm_swiglu_apart": (_flags_off("FUSE_NORM", "FUSE_SWIGLU"), ours(target)),
+        "ours_conv_ops": (_patched(tm, conv_silu=cw.conv_silu_ops), ours(target)),
+        "ours_gated_norm_ops": (_patched(tm, gated_norm=gn.gated_norm_ops), ours(target)),
+        "ours_residual_apart": (_patched(qm, FUSE_RESIDUAL=False), ours(target)),
+        "ours_norm_swiglu_apart": (_patched(qm, FUSE_NORM=False, FUSE_SWIGLU=False),
+                                   ours(target)),
         "ours_eager": (lambda: _compile("off"), ours(target)),
         "ours_unfused": (nullcontext, ours(unfused)),
         "ours_mlx_qmm": (lambda: stock_layers(unfused.model), ours(unfused)),
@@ -282,37 +283,21 @@ def _no_gc() -> Iterator[None]:
         gc.enable()
 
 
-def _model_uses(name: str, fn: Callable) -> Callable[[], AbstractContextManager[None]]:
-    """A setting under which the target's layers call ``fn`` for their function ``name`` (the
-    ops reference instead of one of our kernels, say) over an arm's runs."""
+def _patched(module, **values) -> Callable[[], AbstractContextManager[None]]:
+    """A setting that gives ``module``'s attributes ``values`` over an arm's runs: one of our
+    kernels' functions replaced by its ops reference, or a fusion switch turned off."""
 
     @contextmanager
     def setting() -> Iterator[None]:
-        original = getattr(tm, name)
-        setattr(tm, name, fn)
+        originals = {name: getattr(module, name) for name in values}
+        for name, value in values.items():
+            setattr(module, name, value)
         kernels.changed()  # retrace the compiled layer functions, and after
         try:
             yield
         finally:
-            setattr(tm, name, original)
-            kernels.changed()
-
-    return setting
-
-
-def _flags_off(*names: str) -> Callable[[], AbstractContextManager[None]]:
-    """A setting that turns the product's fusion switches ``names`` off over an arm's runs."""
-
-    @contextmanager
-    def setting() -> Iterator[None]:
-        for name in names:
-            setattr(qm, name, False)
-        kernels.changed()  # retrace the compiled layer functions, and after
-        try:
-            yield
-        finally:
-            for name in names:
-                setattr(qm, name, True)
+            for name, value in originals.items():
+                setattr(module, name, value)
             kernels.changed()
 
     return setting
