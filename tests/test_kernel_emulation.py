@@ -230,7 +230,7 @@ def _metal_qmm(x: np.ndarray, w, scales, biases, group_size: int, bits: int,
     n = w.shape[0]
     if residual is not None:
         variant = qm.Variant(variant.norm_eps, variant.swiglu, True)
-    n_out, tile = (n // 2, 8) if variant.swiglu else (n, 16)
+    n_out, groups = qm.launch_shape(n, variant.swiglu)
     extra = {"norm_w": norm_w} if norm_w is not None else {}
     extra |= {"residual": residual} if residual is not None else {}
     out = cuda_emulation.run(
@@ -238,7 +238,7 @@ def _metal_qmm(x: np.ndarray, w, scales, biases, group_size: int, bits: int,
         {"x": x, "w": w, "scales": scales, "biases": biases} | extra,
         {"y": (x.shape[0], n_out)},
         {"XT": "float", "ST": "float", "BITS": bits, "GS": group_size, "WARPS": qm.WARPS},
-        grid=(32 * qm.WARPS * ((n_out + tile - 1) // tile), 1, 1),
+        grid=(32 * qm.WARPS * groups, 1, 1),
         threadgroup=(32 * qm.WARPS, 1, 1),
     )
     return out["y"]
@@ -301,7 +301,7 @@ def _cuda_qmm(x, w, scales, biases, group_size, bits, warps=qm.WARPS, residual=N
     n = w.shape[0]
     if residual is not None:
         variant = qm.Variant(variant.norm_eps, variant.swiglu, True)
-    n_out, tile = (n // 2, 8) if variant.swiglu else (n, 16)
+    n_out, groups = qm.launch_shape(n, variant.swiglu)
     extra = {"norm_w": _bits16(norm_w)} if norm_w is not None else {}
     extra |= {"residual": _bits16(residual)} if residual is not None else {}
     return cuda_emulation.run(
@@ -311,7 +311,7 @@ def _cuda_qmm(x, w, scales, biases, group_size, bits, warps=qm.WARPS, residual=N
         {"y": (x.shape[0], n_out)},
         {"XT": "__nv_bfloat16", "ST": "__nv_bfloat16", "BITS": bits, "GS": group_size,
          "WARPS": warps},
-        grid=(32 * warps * ((n_out + tile - 1) // tile), 1, 1),
+        grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
         header=cuda_emulation.emulated_mma(qm._HEADER_CUDA),
         types={"x": "XT", "scales": "ST", "biases": "ST", "residual": "XT", "norm_w": "XT"},

@@ -345,9 +345,11 @@ _METAL_TEMPLATE = """
     threadgroup_barrier(mem_flags::mem_threadgroup);
     STORE
 """
-_METAL_ROWS = """const int r_lo = threadgroup_position_in_grid.x * 16 + g;
-    const int r_hi = r_lo + 8;
-    const size_t lo = min(r_lo, N - 1), hi = min(r_hi, N - 1);  // rows past N: any row, unused"""
+# The rows are the CUDA kernel's; only the threadgroup index is spelled differently.
+_METAL_ROWS, _METAL_ROWS_SWIGLU = (
+    rows.replace("blockIdx.x", "threadgroup_position_in_grid.x")
+    for rows in (_CUDA_ROWS, _CUDA_ROWS_SWIGLU)
+)
 _METAL_STORE = """if (warp == 0 && lane < 16) {
       const int row = threadgroup_position_in_grid.x * 16 + lane;
       for (int m = 0; m < M; ++m) {
@@ -357,9 +359,6 @@ _METAL_STORE = """if (warp == 0 && lane < 16) {
         if (row < N) y[(size_t)m * N + row] = static_cast<XT>(acc);
       }
     }"""
-_METAL_ROWS_SWIGLU = """const int NY = N / 2;  // outputs: gate row r, up row r + NY
-    const int r_lo = threadgroup_position_in_grid.x * 8 + g;
-    const size_t lo = min(r_lo, NY - 1), hi = lo + NY;  // rows past NY: any pair, unused"""
 _METAL_STORE_SWIGLU = """if (warp == 0 && lane < 8) {
       const int row = threadgroup_position_in_grid.x * 8 + lane;
       for (int m = 0; m < M; ++m) {
@@ -424,6 +423,13 @@ class Variant:
 
 
 PLAIN = Variant()
+
+
+def launch_shape(n: int, swiglu: bool) -> tuple[int, int]:
+    """(outputs, threadgroups) of a product over n weight rows: a threadgroup makes 16 rows'
+    outputs, or with swiglu 8 (a tile holds 8 gate rows and their 8 up rows)."""
+    n_out, tile = (n // 2, 8) if swiglu else (n, 16)
+    return n_out, (n_out + tile - 1) // tile
 
 
 def source(metal: bool, variant: Variant = PLAIN) -> str:
@@ -518,7 +524,7 @@ def quantized_matmul_native(
     if kernel is None:
         return None
     M, N = x.shape[0], w.shape[0]
-    n_out, tile = (N // 2, 8) if swiglu else (N, 16)  # outputs, and of them a tile's
+    n_out, groups = launch_shape(N, swiglu)
     extra = [a for a in (norm_weight, residual) if a is not None]
     return kernel(
         inputs=[x, w, scales, biases, *extra],
@@ -529,7 +535,7 @@ def quantized_matmul_native(
             ("GS", group_size),
             ("WARPS", warps),
         ],  # fmt: skip
-        grid=(32 * warps * ((n_out + tile - 1) // tile), 1, 1),
+        grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[(M, n_out)],
         output_dtypes=[x.dtype],
