@@ -35,6 +35,7 @@ from mtpcli.bench import forward_cost
 from mtpcli.bench import timed_ms as timed
 from mtpcli.engine.classic import generate_classic
 from mtpcli.kernels import conv_window as cw
+from mtpcli.kernels import decode_attention as da
 from mtpcli.kernels import gated_delta as gd
 from mtpcli.kernels import gated_norm as gn
 from mtpcli.kernels import quantized_matmul as qm
@@ -131,7 +132,7 @@ def leave_out(target, cache, T: int, repeats: int, what: str) -> dict:
     else:
         original, name = tm.attention_core, "attention_core"
 
-        def stub(m, q, k, v, mask, c):
+        def stub(m, q, k, v, gate, mask, c):
             B, L, Hkv, D = k.shape
             c.update_and_fetch(*(mx.zeros((B, Hkv, L, D), k.dtype),) * 2)
             return mx.zeros((B, L, q.shape[2] * D), q.dtype)
@@ -244,6 +245,8 @@ def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = 
         "ours_no_gc": (_no_gc, ours(target)),
         "ours_conv_ops": (_patched(tm, conv_silu=cw.conv_silu_ops), ours(target)),
         "ours_gated_norm_ops": (_patched(tm, gated_norm=gn.gated_norm_ops), ours(target)),
+        "ours_attention_ops": (_patched(tm, decode_attention=da.decode_attention_ops),
+                               ours(target)),
         "ours_residual_apart": (_patched(qm, FUSE_RESIDUAL=False), ours(target)),
         "ours_norm_swiglu_apart": (_patched(qm, FUSE_NORM=False, FUSE_SWIGLU=False),
                                    ours(target)),
@@ -530,6 +533,7 @@ def _markdown(res: dict, args) -> str:
         labels = {"ours": f"ours as run (qmm {res['qmm']}, compiled layer functions)",
                   "ours_conv_ops": "same, the convolution as mlx-lm's four ops",
                   "ours_gated_norm_ops": "same, the gated norm as mlx-lm's two ops",
+                  "ours_attention_ops": "same, one query's attention as MLX's ops",
                   "ours_residual_apart": "same, the residual adds apart from the products",
                   "ours_norm_swiglu_apart": "same, the input norms and swiglu apart from the "
                   "products",

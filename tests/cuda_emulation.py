@@ -253,7 +253,10 @@ def run(
         )
         + header
     )
-    code = (_PRELUDE + header + f"static void kernel({', '.join(params)}) {{\n{source}\n}}\n"
+    # Metal's address space of a thread's own arrays, for the header's and kernel's text only
+    # (std::thread follows).
+    code = (_PRELUDE + "#define thread\n" + header
+            + f"static void kernel({', '.join(params)}) {{\n{source}\n}}\n#undef thread\n"
             + _LAUNCH.replace("ARGS", ", ".join(args)))  # fmt: skip
     lib = _build(code)
     strides = [np.array([s // a.itemsize for s in a.strides], dtype=np.int64) for a in arrays]

@@ -13,6 +13,7 @@ import subprocess
 import pytest
 
 from mtpcli.kernels import conv_window as cw
+from mtpcli.kernels import decode_attention as da
 from mtpcli.kernels import gated_delta as gd
 from mtpcli.kernels import gated_norm as gn
 from mtpcli.kernels import quantized_matmul as qm
@@ -141,6 +142,19 @@ def test_gated_norm_kernel_compiles_without_spills(tmp_path, dtype):
     code = _wrap(gn._source(False, 1e-6), "", types, {"out": dtype}, constants)
     report = _compile(tmp_path, code)
     assert _no_spills(report), report
+
+
+@pytest.mark.parametrize("dtype", [BF16, HALF, F32])
+def test_decode_attention_kernels_compile_without_spills(tmp_path, dtype):
+    header, partial, combine = da.sources(False, 1e-6, da.Rope(64, 1e7, 1.0), 0.0625)
+    names = ["q", "k", "v", "q_norm", "k_norm", "keys", "values"]
+    outputs = {"part_m": F32, "part_l": F32, "part_acc": F32, "k_out": dtype}
+    constants = {"InT": dtype, "D": 256, "WARPS": da._WARPS}
+    code = _wrap(partial, header, dict.fromkeys(names, dtype), outputs, constants)
+    assert _no_spills(_compile(tmp_path, code))
+    types = {"part_m": F32, "part_l": F32, "part_acc": F32, "gate": dtype}
+    code = _wrap(combine, "", types, {"out": dtype}, {"InT": dtype, "D": 256})
+    assert _no_spills(_compile(tmp_path, code))
 
 
 def test_a_source_error_is_caught(tmp_path):

@@ -67,11 +67,11 @@ class Qwen35MTPDrafter:
         mask = create_attention_mask(h, cache[0])
         for i, (layer, c) in enumerate(zip(m.layers, cache, strict=True)):
             q, k, v, gate = fns.get(("pre", i), lambda ly=layer: attention_pre(ly), compiled)(h)
-            o = attention_core(layer.self_attn, q, k, v, mask, c)
+            o = attention_core(layer.self_attn, q, k, v, gate, mask, c)
             post = fns.get(
                 ("post", i), lambda ly=layer: attention_post(ly, residual_mlp(ly.mlp)), compiled
             )
-            h = post(h, o, gate)
+            h = post(h, o)
         fns.end(L)
         return m.norm(h)
 

@@ -24,6 +24,7 @@ from .. import kernels
 from ..config import ModelConfig
 from ..kernels import quantized_matmul
 from ..kernels.conv_window import conv_silu
+from ..kernels.decode_attention import Rope, decode_attention
 from ..kernels.gated_delta import gated_delta_raw
 from ..kernels.gated_norm import gated_norm
 from ..kernels.quantized_matmul import FusedProjection
@@ -150,8 +151,8 @@ def _gated_delta(m: qwen3_5.GatedDeltaNet, h, norm, conv_state, state, keep: boo
 
 
 def _attention_pre(m, h, norm, fused=None):
-    """h [B, T, H] -> queries [B, T, Hq, D], keys, values [B, T, Hkv, D], gate [B, T, Hq*D] of
-    norm(h) (mlx-lm's attention up to the positions)."""
+    """h [B, T, H] -> queries [B, T, Hq, D], keys, values [B, T, Hkv, D], gate [B, T, Hq, D] of
+    norm(h): mlx-lm's attention projections, before the q/k norms (``attention_core``'s)."""
     B, L, _ = h.shape
     if fused is not None:  # the norm and the three projections in one product
         qg, k, v = fused.split(fused(h, norm))
@@ -159,19 +160,31 @@ def _attention_pre(m, h, norm, fused=None):
         x = norm(h)
         qg, k, v = m.q_proj(x), m.k_proj(x), m.v_proj(x)  # [B, L, 2 Hq D], [B, L, Hkv D] x 2
     q, gate = mx.split(qg.reshape(B, L, m.num_attention_heads, -1), 2, axis=-1)
-    k = m.k_norm(k.reshape(B, L, m.num_key_value_heads, -1))
+    k = k.reshape(B, L, m.num_key_value_heads, -1)
     v = v.reshape(B, L, m.num_key_value_heads, -1)
-    return m.q_norm(q), k, v, gate.reshape(B, L, -1)
+    return q, k, v, gate
 
 
-def attention_core(m, q, k, v, mask, cache: KVCache) -> mx.array:
-    """Positions, the cache and the product (eager: the cache offset moves every step)."""
+def attention_core(m, q, k, v, gate, mask, cache: KVCache) -> mx.array:
+    """The q/k norms, positions, the cache, the product and the output gate: [B, L, Hq * D]
+    (eager: the cache offset moves every step). One position on a GPU goes through
+    ``decode_attention`` (two launches where its kernels run), decode and verify alike."""
     B, L = q.shape[:2]
+    rope, N = Rope.of(m.rope), cache.offset
+    if L == 1 and N > 0 and rope is not None and kernels.backend() != "cpu" \
+            and m.q_norm.eps == m.k_norm.eps:  # fmt: skip
+        keys, values = cache.keys[..., :N, :], cache.values[..., :N, :]  # [B, Hkv, N, D]
+        o, k = decode_attention(q, k, v, gate, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps,
+                                keys, values, rope, m.scale)  # fmt: skip
+        cache.update_and_fetch(k, v.transpose(0, 2, 1, 3))
+        return o
+    q, k = m.q_norm(q), m.k_norm(k)
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [B, heads, L, D]
     q, k = m.rope(q, offset=cache.offset), m.rope(k, offset=cache.offset)
     k, v = cache.update_and_fetch(k, v)
     out = scaled_dot_product_attention(q, k, v, cache=cache, scale=m.scale, mask=mask)
-    return out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # [B, L, Hq * D]
+    out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # [B, L, Hq * D]
+    return out * mx.sigmoid(gate.reshape(B, L, -1))
 
 
 class LayerFunctions:
@@ -214,11 +227,11 @@ def attention_pre(layer: nn.Module, fused: FusedProjection | None = None) -> Cal
 
 
 def attention_post(layer: nn.Module, mlp_add: Callable) -> Callable:
-    """(h, attention output, gate) -> the layer's output: o_proj, residual, MLP block
+    """(h, gated attention output) -> the layer's output: o_proj, residual, MLP block
     (``mlp_add(h, norm)`` is h + the MLP of norm(h))."""
 
-    def post(h, o, gate):
-        h = quantized_matmul.linear_add(layer.self_attn.o_proj, o * mx.sigmoid(gate), h)
+    def post(h, o):
+        h = quantized_matmul.linear_add(layer.self_attn.o_proj, o, h)
         return mlp_add(h, layer.post_attention_layernorm)
 
     return post
@@ -374,14 +387,14 @@ class Qwen35Target:
         q, k, v, gate = policy.rows(pre, (h,), verify, (sig, "pre"), not self.unprobed[i])
         if not verify or T == 1 or mx.default_device() == mx.cpu:
             # MLX's CPU attention is row-invariant by construction (masked keys add exact zeros).
-            o = attention_core(m, q, k, v, mask, cache)
+            o = attention_core(m, q, k, v, gate, mask, cache)
         else:
             # GPU attention kernels differ between one query and a block, and only now and then
             # in the last bit (a probe can pass by luck): one position at a time, as decode runs.
             o = mx.concatenate(
-                [attention_core(m, *(x[:, t : t + 1] for x in (q, k, v)), None, cache)
+                [attention_core(m, *(x[:, t : t + 1] for x in (q, k, v, gate)), None, cache)
                  for t in range(T)], axis=1)  # fmt: skip
-        return policy.rows(post, (h, o, gate), verify, (sig, "post"), not self.unprobed[i])
+        return policy.rows(post, (h, o), verify, (sig, "post"), not self.unprobed[i])
 
     def forward(self, tokens: mx.array, cache: list, *, verify: bool = False) -> ForwardOut:
         """Run tokens [B, T] through the decoder, appending to ``cache``.

@@ -1,0 +1,392 @@
+"""One query's attention over the KV cache, for a full-attention layer's decode step.
+
+mlx-lm's step is, after the q/k/v projections: RMSNorm of q and of k, RoPE of each, the cache
+update, the attention product (MLX's GPU kernels have no one-query path for head dim 256 and
+run it as five ops), and the output gate: 14 launches a layer on CUDA, where one decode step of
+the 27B shape is paced by its launches. Here the norms, the rotations, the product and the gate
+are two launches (a block of keys per threadgroup, then the blocks combined), plus the cache's
+own two row copies. Both the decode step and a verify block (one position at a time on a GPU)
+run it, so their rows are the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import available, backend, built, kernel_name, spell, use_native
+
+
+@dataclass(frozen=True)
+class Rope:
+    """The rotary embedding the kernel does: MLX's non-traditional RoPE on the first ``dims``
+    features, frequencies base**(-2i/dims), positions times ``scale``."""
+
+    dims: int
+    base: float
+    scale: float
+
+    @classmethod
+    def of(cls, module: nn.Module) -> Rope | None:
+        """The spec of an ``nn.RoPE`` the kernel can do; None for other kinds (scaled, yarn...)."""
+        if type(module) is not nn.RoPE or module.traditional:
+            return None
+        return cls(int(module.dims), float(module.base), float(module.scale))
+
+
+def decode_attention_ops(q, k, v, gate, q_norm, k_norm, eps: float, keys, values, rope: Rope,
+                         scale: float) -> tuple[mx.array, mx.array]:  # fmt: skip
+    """Ops reference (mlx-lm's arithmetic). q [B, 1, Hq, D], k and v [B, 1, Hkv, D], gate
+    [B, 1, Hq, D], the norms' weights [D], the cache's keys and values [B, Hkv, N, D] (the N
+    positions before this one). Returns the gated output [B, 1, Hq * D] and the new key, normed
+    and rotated, [B, Hkv, 1, D] (what the cache stores)."""
+    B, N = q.shape[0], keys.shape[2]
+    q = mx.fast.rms_norm(q, q_norm, eps).transpose(0, 2, 1, 3)  # [B, Hq, 1, D]
+    k = mx.fast.rms_norm(k, k_norm, eps).transpose(0, 2, 1, 3)  # [B, Hkv, 1, D]
+    q, k = (mx.fast.rope(x, rope.dims, traditional=False, base=rope.base, scale=rope.scale,
+                         offset=N) for x in (q, k))  # fmt: skip
+    keys = mx.concatenate([keys, k], axis=2)  # [B, Hkv, N + 1, D]
+    values = mx.concatenate([values, v.transpose(0, 2, 1, 3)], axis=2)
+    o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)  # [B, Hq, 1, D]
+    o = o.transpose(0, 2, 1, 3).reshape(B, 1, -1)
+    return o * mx.sigmoid(gate.reshape(B, 1, -1)), k
+
+
+# Splits of the N + 1 keys: at least MIN_CHUNK keys a threadgroup, at most MAX_SPLITS
+# threadgroups a head. The kernel and the launch compute them with the same formula.
+MIN_CHUNK = 16
+MAX_SPLITS = 64
+_WARPS = 8  # a threadgroup's warps / SIMD-groups; keys go to them round-robin
+
+
+def splits(n_keys: int) -> int:
+    return min(-(-n_keys // MIN_CHUNK), MAX_SPLITS)
+
+
+# A warp's row of D features: lane l holds features i * 32 + l (i < D / 32), so a rotary pair
+# (e, e + dims/2) sits in one lane when dims/2 is a multiple of 32. The norm rounds as MLX's
+# rms_norm (x * rsqrt to the input dtype, times the weight in it); the rotation's angle is
+# reduced to [-pi, pi] before sin/cos (fast-math sin is accurate only there).
+_HEADER = """
+#define AT_RD(v) static_cast<float>(static_cast<T>(v))
+template <int D, typename T, typename W>
+KERNEL_FN void mtp_norm_rope(DEVICE const T* x, long stride, DEVICE const W* w, int lane,
+                             float pos, THREAD float* v) {
+  constexpr int NPT = D / 32;
+  constexpr int HALF = ROPE_DIMS / 2;
+  float ss = 0.0f;
+  for (int i = 0; i < NPT; ++i) {
+    v[i] = static_cast<float>(x[(i * 32 + lane) * stride]);
+    ss = fmaf(v[i], v[i], ss);
+  }
+  for (LANE_OFFSET off = 16; off > 0; off >>= 1) ss = ss + XOR_SHUFFLE(ss, off);
+  const float inv = rsqrtf(ss / D + NORM_EPS);
+  for (int i = 0; i < NPT; ++i) {
+    v[i] = AT_RD(static_cast<float>(w[i * 32 + lane]) * AT_RD(v[i] * inv));
+  }
+  for (int i = 0; i < HALF / 32; ++i) {
+    const float e = static_cast<float>(i * 32 + lane);
+    float theta = pos * ROPE_SCALE * exp2f(-e * (ROPE_LOG2_BASE / HALF));
+    const float turns = rintf(theta * 0.15915494309189535f);
+    theta = fmaf(-turns, 6.28125f, theta);
+    theta = fmaf(-turns, 1.9353071795864769e-3f, theta);
+    const float c = cosf(theta), s = sinf(theta);
+    const float x1 = v[i], x2 = v[i + HALF / 32];
+    v[i] = AT_RD(x1 * c - x2 * s);
+    v[i + HALF / 32] = AT_RD(x1 * s + x2 * c);
+  }
+}
+"""
+
+# Threadgroup (b, h, split): the query normed and rotated in every warp's registers; the keys
+# j0 <= j < j1 of the split round-robin over the warps, each keeping a running max, sum and
+# weighted sum of values; then the warps' partials merged in warp order. Key N (this position)
+# is k and v themselves: the last split normalises and rotates k into shared memory, and its
+# first head of each KV group writes it out for the cache.
+_PARTIAL = """
+    constexpr int NPT = D / 32;
+    THREAD_INDICES
+    const int Hq = q_shape[2];
+    const int G = Hq / k_shape[2];
+    const int N = keys_shape[2];
+    const int S = min((N + MIN_CHUNK) / MIN_CHUNK, MAX_SPLITS);
+    const int chunk = (N + S) / S;
+    const int split = blk % S;
+    const int h = (blk / S) % Hq;
+    const int b = blk / (S * Hq);
+    const int hk = h / G;
+    const int j0 = split * chunk;
+    const int j1 = min(j0 + chunk, N + 1);
+    const float pos = static_cast<float>(N);
+    SHARED float knew[D];
+    SHARED float red_m[WARPS];
+    SHARED float red_l[WARPS];
+    SHARED float red_acc[WARPS * D];
+    float qv[NPT];
+    mtp_norm_rope<D>(q + b * q_strides[0] + h * q_strides[2], q_strides[3], q_norm, lane, pos, qv);
+    if (j1 == N + 1 && warp == 0) {
+      float kv[NPT];
+      mtp_norm_rope<D>(k + b * k_strides[0] + hk * k_strides[2], k_strides[3], k_norm, lane,
+                       pos, kv);
+      for (int i = 0; i < NPT; ++i) {
+        knew[i * 32 + lane] = kv[i];
+        if (h % G == 0) k_out[(b * k_shape[2] + hk) * D + i * 32 + lane] = static_cast<InT>(kv[i]);
+      }
+    }
+    BARRIER;
+    float m = -3.0e38f;
+    float l = 0.0f;
+    float acc[NPT];
+    for (int i = 0; i < NPT; ++i) acc[i] = 0.0f;
+    for (int j = j0 + warp; j < j1; j += WARPS) {
+      float kr[NPT];
+      float vr[NPT];
+      if (j < N) {
+        DEVICE const InT* kp = keys + b * keys_strides[0] + hk * keys_strides[1]
+            + j * keys_strides[2];
+        DEVICE const InT* vp = values + b * values_strides[0] + hk * values_strides[1]
+            + j * values_strides[2];
+        for (int i = 0; i < NPT; ++i) {
+          kr[i] = static_cast<float>(kp[(i * 32 + lane) * keys_strides[3]]);
+          vr[i] = static_cast<float>(vp[(i * 32 + lane) * values_strides[3]]);
+        }
+      } else {
+        for (int i = 0; i < NPT; ++i) {
+          kr[i] = knew[i * 32 + lane];
+          vr[i] = static_cast<float>(v[b * v_strides[0] + hk * v_strides[2]
+                                       + (i * 32 + lane) * v_strides[3]]);
+        }
+      }
+      float s = 0.0f;
+      for (int i = 0; i < NPT; ++i) s = fmaf(qv[i], kr[i], s);
+      for (LANE_OFFSET off = 16; off > 0; off >>= 1) s = s + XOR_SHUFFLE(s, off);
+      s = s * ATTN_SCALE;
+      const float mn = fmaxf(m, s);
+      const float c = expf(m - mn);
+      const float p = expf(s - mn);
+      l = fmaf(l, c, p);
+      for (int i = 0; i < NPT; ++i) acc[i] = fmaf(p, vr[i], acc[i] * c);
+      m = mn;
+    }
+    if (lane == 0) {
+      red_m[warp] = m;
+      red_l[warp] = l;
+    }
+    for (int i = 0; i < NPT; ++i) red_acc[warp * D + i * 32 + lane] = acc[i];
+    BARRIER;
+    float M = red_m[0];
+    for (int w = 1; w < WARPS; ++w) M = fmaxf(M, red_m[w]);
+    if (tid == 0) {
+      float L = 0.0f;
+      for (int w = 0; w < WARPS; ++w) L = fmaf(red_l[w], expf(red_m[w] - M), L);
+      part_m[blk] = M;
+      part_l[blk] = L;
+    }
+    for (int d = tid; d < D; d += WARPS * 32) {
+      float a = 0.0f;
+      for (int w = 0; w < WARPS; ++w) a = fmaf(red_acc[w * D + d], expf(red_m[w] - M), a);
+      part_acc[(size_t)blk * D + d] = a;
+    }
+"""
+
+# Threadgroup (b, h), a thread a feature: the splits merged in order, the output rounded to the
+# input dtype as MLX's attention leaves it, times the gate's sigmoid (rounded, as mlx-lm's
+# ``o * mx.sigmoid(gate)``).
+_COMBINE = """
+    THREAD_INDICES
+    const int S = part_m_shape[2];
+    const int h = blk % part_m_shape[1];
+    const int b = blk / part_m_shape[1];
+    DEVICE const float* pm = part_m + (size_t)blk * S;
+    DEVICE const float* pl = part_l + (size_t)blk * S;
+    float M = pm[0];
+    for (int s = 1; s < S; ++s) M = fmaxf(M, pm[s]);
+    float L = 0.0f;
+    float a = 0.0f;
+    for (int s = 0; s < S; ++s) {
+      const float f = expf(pm[s] - M);
+      L = fmaf(pl[s], f, L);
+      a = fmaf(part_acc[((size_t)blk * S + s) * D + tid], f, a);
+    }
+    const float o = static_cast<float>(static_cast<InT>(a / L));
+    const float g = static_cast<float>(gate[b * gate_strides[0] + h * gate_strides[2]
+                                            + tid * gate_strides[3]]);
+    const float sg = static_cast<float>(static_cast<InT>(1.0f / (1.0f + expf(-g))));
+    out[(size_t)blk * D + tid] = static_cast<InT>(o * sg);
+"""
+
+_THREAD_INDICES = {
+    False: """const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int blk = blockIdx.x;""",
+    True: """const int tid = thread_position_in_threadgroup.x;
+    const int lane = thread_index_in_simdgroup;
+    const int warp = simdgroup_index_in_threadgroup;
+    const int blk = threadgroup_position_in_grid.x;""",
+}
+# Backend spellings only these kernels use (the rest are ``kernels.spell``'s).
+_EXTRA = {
+    False: {"KERNEL_FN ": "__device__ __forceinline__ ", "THREAD ": ""},
+    True: {"KERNEL_FN ": "inline ", "THREAD ": "thread ", "exp2f(": "exp2(", "rintf(": "rint(",
+           "cosf(": "cos(", "sinf(": "sin("},
+}  # fmt: skip
+_kernels: dict = {}
+
+
+def _literal(x: float) -> str:
+    return f"{x:.9e}f"
+
+
+def _spelled(text: str, metal: bool) -> str:
+    for token, spelling in _EXTRA[metal].items():
+        text = text.replace(token, spelling)
+    return spell(text, metal)
+
+
+def sources(metal: bool, eps: float, rope: Rope, scale: float) -> tuple[str, str, str]:
+    """(header, partial kernel, combine kernel) for a backend, the constants spelled in."""
+    header = (_HEADER.replace("NORM_EPS", _literal(eps))
+              .replace("ROPE_DIMS", str(rope.dims))
+              .replace("ROPE_SCALE", _literal(rope.scale))
+              .replace("ROPE_LOG2_BASE", _literal(math.log2(rope.base))))  # fmt: skip
+    partial = (_PARTIAL.replace("THREAD_INDICES", _THREAD_INDICES[metal])
+               .replace("ATTN_SCALE", _literal(scale))
+               .replace("MIN_CHUNK", str(MIN_CHUNK))
+               .replace("MAX_SPLITS", str(MAX_SPLITS)))  # fmt: skip
+    combine = _COMBINE.replace("THREAD_INDICES", _THREAD_INDICES[metal])
+    return tuple(_spelled(text, metal) for text in (header, partial, combine))
+
+
+_PARTIAL_INPUTS = ["q", "k", "v", "q_norm", "k_norm", "keys", "values"]
+_PARTIAL_OUTPUTS = ["part_m", "part_l", "part_acc", "k_out"]
+_COMBINE_INPUTS = ["part_m", "part_l", "part_acc", "gate"]
+
+
+def _kernels_for(eps: float, rope: Rope, scale: float):
+    def make(factory, metal: bool):
+        header, partial, combine = sources(metal, eps, rope, scale)
+        return (
+            factory(name=kernel_name("mtp_attn_partial", header, partial),
+                    input_names=_PARTIAL_INPUTS, output_names=_PARTIAL_OUTPUTS,
+                    header=header, source=partial, ensure_row_contiguous=False),
+            factory(name=kernel_name("mtp_attn_combine", combine),
+                    input_names=_COMBINE_INPUTS, output_names=["out"], source=combine,
+                    ensure_row_contiguous=False),
+        )  # fmt: skip
+
+    def cuda():
+        return make(mx.fast.cuda_kernel, False) if available("cuda") else None
+
+    def metal():
+        return make(mx.fast.metal_kernel, True) if available("metal") else None
+
+    return built(_kernels, (eps, rope, scale), cuda, metal)
+
+
+def launch_shapes(B: int, Hq: int, Hkv: int, N: int, D: int) -> dict:
+    """Grids, threadgroups and output shapes of the two launches (for the launch and tests)."""
+    S = splits(N + 1)
+    return {
+        "partial_grid": (32 * _WARPS * B * Hq * S, 1, 1),
+        "partial_threadgroup": (32 * _WARPS, 1, 1),
+        "partial_outputs": [(B, Hq, S), (B, Hq, S), (B, Hq, S, D), (B, Hkv, 1, D)],
+        "combine_grid": (D * B * Hq, 1, 1),
+        "combine_threadgroup": (D, 1, 1),
+        "combine_outputs": [(B, 1, Hq * D)],
+    }
+
+
+def decode_attention_native(q, k, v, gate, q_norm, k_norm, eps, keys, values, rope, scale):
+    """The native kernels (same contract as ``decode_attention_ops``); None where there are none."""
+    kernels = _kernels_for(eps, rope, scale)
+    if kernels is None:
+        return None
+    partial, combine = kernels
+    B, _, Hq, D = q.shape
+    Hkv, N = k.shape[2], keys.shape[2]
+    shapes = launch_shapes(B, Hq, Hkv, N, D)
+    f32, dt = mx.float32, q.dtype
+    part_m, part_l, part_acc, k_out = partial(
+        inputs=[q, k, v, mx.contiguous(q_norm), mx.contiguous(k_norm), keys, values],
+        template=[("InT", dt), ("D", D), ("WARPS", _WARPS)],
+        grid=shapes["partial_grid"],
+        threadgroup=shapes["partial_threadgroup"],
+        output_shapes=shapes["partial_outputs"],
+        output_dtypes=[f32, f32, f32, dt],
+    )
+    out = combine(
+        inputs=[part_m, part_l, part_acc, gate],
+        template=[("InT", dt), ("D", D)],
+        grid=shapes["combine_grid"],
+        threadgroup=shapes["combine_threadgroup"],
+        output_shapes=shapes["combine_outputs"],
+        output_dtypes=[dt],
+    )[0]
+    return out, k_out
+
+
+def supported(q: mx.array, k: mx.array, keys: mx.array, rope: Rope | None) -> bool:
+    """Whether the kernels can take these shapes (else the reference runs)."""
+    B, T, Hq, D = q.shape
+    return (
+        rope is not None
+        and T == 1
+        and keys.shape[2] > 0
+        and D % 32 == 0
+        and D <= 1024
+        and Hq % k.shape[2] == 0
+        and rope.dims % 64 == 0
+        and 0 < rope.dims <= D
+        and keys.dtype == q.dtype
+    )
+
+
+def _self_check(dtype, wdtype, D: int, eps: float, rope: Rope, scale: float) -> str | None:
+    """Agreement with the reference at a few cache lengths (one split and several; a cache
+    that is a view into a longer buffer, as mlx-lm's KVCache gives it)."""
+    kq, kk, kv, kg, kw, kc = mx.random.split(mx.random.key(1357), 6)
+    B, Hq, Hkv = 2, 6, 2
+    q = (mx.random.normal((B, 1, Hq, D), key=kq) * 2).astype(dtype)
+    k = (mx.random.normal((B, 1, Hkv, D), key=kk) * 2).astype(dtype)
+    v = mx.random.normal((B, 1, Hkv, D), key=kv).astype(dtype)
+    gate = mx.random.normal((B, 1, Hq, D), key=kg).astype(dtype)
+    qw, kw_ = (mx.random.uniform(0.5, 1.5, (D,), key=key).astype(wdtype)
+               for key in mx.random.split(kw))  # fmt: skip
+    buffer = mx.random.normal((2, B, Hkv, 160, D), key=kc).astype(dtype)
+    tol = 2e-2 if dtype != mx.float32 else 1e-4
+    for N in (5, 131):
+        keys, values = buffer[0, :, :, :N], buffer[1, :, :, :N]
+        try:
+            got = decode_attention_native(q, k, v, gate, qw, kw_, eps, keys, values, rope, scale)
+            want = decode_attention_ops(q, k, v, gate, qw, kw_, eps, keys, values, rope, scale)
+            mx.eval(got, want)
+        except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
+            return f"{type(e).__name__}: {e}"
+        for a, b in zip(got, want, strict=True):
+            a, b = a.astype(mx.float32), b.astype(mx.float32)
+            if a.shape != b.shape or not mx.allclose(a, b, rtol=tol, atol=tol).item():
+                return f"differs from the reference at N = {N} by up to " \
+                       f"{mx.abs(a - b).max().item():.3g}"  # fmt: skip
+    return None
+
+
+def decode_attention(q, k, v, gate, q_norm, k_norm, eps: float, keys, values, rope: Rope | None,
+                     scale: float) -> tuple[mx.array, mx.array]:  # fmt: skip
+    """One query's gated attention on the best trusted path (shapes as ``decode_attention_ops``;
+    ``rope`` None means a rotary embedding the kernels do not do)."""
+    if backend() != "cpu" and supported(q, k, keys, rope):
+        D = q.shape[-1]
+        key = (backend(), str(q.dtype), str(q_norm.dtype), D, eps, rope, scale)
+        check = lambda: _self_check(q.dtype, q_norm.dtype, D, eps, rope, scale)  # noqa: E731
+        if use_native("decode_attention", key, check):
+            got = decode_attention_native(q, k, v, gate, q_norm, k_norm, eps, keys, values,
+                                          rope, scale)  # fmt: skip
+            if got is not None:
+                return got
+    if rope is None:
+        raise ValueError("decode_attention_ops needs a Rope; the caller keeps other kinds")
+    return decode_attention_ops(q, k, v, gate, q_norm, k_norm, eps, keys, values, rope, scale)

@@ -1,0 +1,230 @@
+"""One query's attention (q/k norms, RoPE, the product over the cache, the output gate) as two
+launches: the kernels' logic in CPU emulation (CUDA and Metal spellings of one text), the
+self-check and fallback (with fakes), the model's one-position path, and on CUDA the kernels."""
+
+from __future__ import annotations
+
+import cuda_emulation  # tests/cuda_emulation.py
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mtpcli import kernels
+from mtpcli.engine.classic import generate_classic
+from mtpcli.engine.mtp import generate_mtp
+from mtpcli.kernels import decode_attention as da
+
+cuda = pytest.mark.skipif(not kernels.available("cuda"), reason="needs MLX's CUDA backend")
+emulated = pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++")
+EPS = 1e-6
+ROPE = da.Rope(64, 1e7, 1.0)
+
+
+@pytest.fixture(autouse=True)
+def fresh_verdicts():
+    kernels.reset_verdicts()
+    yield
+    kernels.reset_verdicts()
+
+
+def _inputs(dtype=mx.bfloat16, B=2, Hq=6, Hkv=2, N=20, D=128, seed=0):
+    """q [B, 1, Hq, D] and gate, strided views into one projection row (as the model has them);
+    k, v [B, 1, Hkv, D]; the norms' weights; keys and values [B, Hkv, N, D], views into a longer
+    buffer (as mlx-lm's KVCache holds them)."""
+    ks = mx.random.split(mx.random.key(seed), 6)
+    qg = (mx.random.normal((B, 1, Hq, 2 * D), key=ks[0]) * 2).astype(dtype)
+    q, gate = qg[..., :D], qg[..., D:]
+    k = (mx.random.normal((B, 1, Hkv, D), key=ks[1]) * 2).astype(dtype)
+    v = mx.random.normal((B, 1, Hkv, D), key=ks[2]).astype(dtype)
+    qw, kw = (mx.random.uniform(0.5, 1.5, (D,), key=key).astype(dtype)
+              for key in mx.random.split(ks[3]))  # fmt: skip
+    buffer = mx.random.normal((2, B, Hkv, N + 9, D), key=ks[4]).astype(dtype)
+    return q, k, v, gate, qw, kw, buffer[0, :, :, :N], buffer[1, :, :, :N]
+
+
+def _ops(args, scale):
+    return da.decode_attention_ops(*args[:6], EPS, *args[6:], ROPE, scale)
+
+
+def _emulated(args, scale, metal=False, partial=None) -> tuple[np.ndarray, np.ndarray]:
+    """(out, new key) of the two kernels in emulation: bf16 bits (CUDA) or float32 (Metal)."""
+    q, k, v, gate, qw, kw, keys, values = args
+    B, _, Hq, D = q.shape
+    names = ["q", "k", "v", "q_norm", "k_norm", "keys", "values"]
+    given = dict(zip(names, args[:3] + args[4:], strict=True))
+    if metal:
+        host = {n: np.array(a.astype(mx.float32)) for n, a in given.items()}
+        host_gate, constants, types = np.array(gate.astype(mx.float32)), {"InT": "float"}, None
+    else:
+        host = {n: np.array(a.view(mx.uint16)) for n, a in given.items()}
+        host_gate, constants = np.array(gate.view(mx.uint16)), {"InT": "__nv_bfloat16"}
+        types = dict.fromkeys(names + ["gate"], "InT")
+    header, partial_src, combine_src = da.sources(metal, EPS, ROPE, scale)
+    shapes = da.launch_shapes(B, Hq, k.shape[2], keys.shape[2], D)
+    parts = cuda_emulation.run(
+        partial or partial_src, host,
+        dict(zip(da._PARTIAL_OUTPUTS, shapes["partial_outputs"], strict=True)),
+        constants | {"D": D, "WARPS": da._WARPS}, shapes["partial_grid"],
+        shapes["partial_threadgroup"], header=header, types=types,
+    )  # fmt: skip
+    combined = cuda_emulation.run(
+        combine_src, {n: parts[n] for n in da._PARTIAL_OUTPUTS[:3]} | {"gate": host_gate},
+        {"out": shapes["combine_outputs"][0]}, constants | {"D": D}, shapes["combine_grid"],
+        shapes["combine_threadgroup"], types=types and {"gate": "InT"},
+    )  # fmt: skip
+    return combined["out"], parts["k_out"]
+
+
+@emulated
+@pytest.mark.parametrize("metal", [False, True], ids=["cuda", "metal"])
+@pytest.mark.parametrize("N,Hq,Hkv", [(1, 2, 1), (20, 6, 2), (40, 4, 4)])
+def test_emulated_kernels_match_the_reference(metal, N, Hq, Hkv):
+    """One split and several (N + 1 = 41 keys: 3), grouped queries, the cache a view."""
+    args = _inputs(N=N, Hq=Hq, Hkv=Hkv)
+    scale = 128**-0.5
+    assert da.splits(N + 1) == (N + 16) // 16
+    out, k_new = _emulated(args, scale, metal)
+    if metal:  # float32 in and out: the float32 reference, to float32 roundings
+        args = tuple(a.astype(mx.float32) for a in args)
+    want_out, want_k = (np.array(a.astype(mx.float32)) for a in _ops(args, scale))
+    # bf16: a rounding or two apart (the norm's, the rotation's, the output's)
+    tol = 2e-3 if metal else 2e-2
+    np.testing.assert_allclose(out, want_out, rtol=tol, atol=tol)
+    np.testing.assert_allclose(k_new, want_k, rtol=tol, atol=tol)
+
+
+@emulated
+@pytest.mark.parametrize(
+    "mistake",
+    [
+        ("for (int j = j0 + warp; j < j1;", "for (int j = j0 + warp; j < j1 - 1;"),  # no new key
+        ("x1 * s + x2 * c", "x1 * s - x2 * c"),  # the wrong rotation
+        ("expf(red_m[w] - M), a)", "1.0f, a)"),  # the warps' partials merged unscaled
+        ("hk * keys_strides[1]", "hk * keys_strides[2]"),  # the cache read through wrong strides
+    ],
+)
+def test_emulation_catches_a_broken_kernel(mistake):
+    args = _inputs(N=40, Hq=4, Hkv=2)
+    scale = 128**-0.5
+    header, partial, _ = da.sources(False, EPS, ROPE, scale)
+    text = partial if mistake[0] in partial else header
+    assert text.count(mistake[0]) == 1
+    broken = partial.replace(*mistake) if text is partial else None
+    if broken is None:  # a header mistake: splice it through the sources the test runs
+        original = da._HEADER
+        try:
+            da._HEADER = original.replace(*mistake)
+            bad = _emulated(args, scale)[0]
+        finally:
+            da._HEADER = original
+    else:
+        bad = _emulated(args, scale, partial=broken)[0]
+    good = _emulated(args, scale)[0]
+    assert not np.allclose(bad, good, rtol=2e-2, atol=2e-2)
+
+
+def test_both_spellings_are_one_text():
+    """The Metal kernels mirror the CUDA kernels line by line (only spelled tokens differ)."""
+    for cuda_text, metal_text in zip(da.sources(False, EPS, ROPE, 0.0625),
+                                     da.sources(True, EPS, ROPE, 0.0625), strict=True):  # fmt: skip
+        a, b = cuda_text.splitlines(), metal_text.splitlines()
+        assert len(a) == len(b)
+        spelled = [t for t in {**kernels._SPELLINGS[True], **da._EXTRA[True]}.values() if t]
+        spelled += ["thread_position_in_threadgroup", "thread_index_in_simdgroup",
+                    "simdgroup_index_in_threadgroup", "threadgroup_position_in_grid"]  # fmt: skip
+        differ = [y for x, y in zip(a, b, strict=True) if x != y]
+        assert differ and all(any(t in y for t in spelled) for y in differ), differ
+
+
+def test_rope_spec_only_for_what_the_kernel_does():
+    assert da.Rope.of(nn.RoPE(64, base=1e7)) == da.Rope(64, 1e7, 1.0)
+    assert da.Rope.of(nn.RoPE(64, traditional=True)) is None
+    assert da.Rope.of(nn.Identity()) is None
+
+
+def _pretend_gpu(monkeypatch, native):
+    monkeypatch.setattr(da, "backend", lambda: "cuda")
+    monkeypatch.setattr(da, "decode_attention_native", native)
+    monkeypatch.setitem(kernels._state, "mode", "auto")
+
+
+def test_a_correct_kernel_is_trusted_and_used(monkeypatch):
+    calls = []
+
+    def native(*args):
+        calls.append(args[7].shape)  # the cache's keys
+        return da.decode_attention_ops(*args)
+
+    _pretend_gpu(monkeypatch, native)
+    args = _inputs(N=33)
+    out = da.decode_attention(*args[:6], EPS, *args[6:], ROPE, 0.0625)
+    assert calls[-1] == args[6].shape  # after the self-check's calls
+    for a, b in zip(out, _ops(args, 0.0625), strict=True):
+        assert mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("wrong", ["output", "new key"])
+def test_a_wrong_kernel_is_refused_with_a_warning(monkeypatch, wrong):
+    def native(*args):
+        out, k = da.decode_attention_ops(*args)
+        if args[7].shape[2] < 100:  # right for a short cache only: the check tries a long one
+            return out, k
+        return (out * 1.5, k) if wrong == "output" else (out, k * 1.5)
+
+    _pretend_gpu(monkeypatch, native)
+    args = _inputs(N=33)
+    with pytest.warns(RuntimeWarning, match="decode_attention kernel disagrees"):
+        out = da.decode_attention(*args[:6], EPS, *args[6:], ROPE, 0.0625)
+    for a, b in zip(out, _ops(args, 0.0625), strict=True):
+        assert mx.array_equal(a, b).item()
+
+
+def test_the_model_takes_the_one_position_path_on_a_gpu_and_stays_exact(load, monkeypatch):
+    """With the backend reported as a GPU, decode steps go through ``decode_attention`` (its
+    reference here), and give the general path's tokens; MTP's verify blocks (the CPU's batched
+    attention) give the same tokens too. A wrong result there changes the tokens."""
+    from mtpcli.models import qwen3_5 as tm
+
+    loaded = load()
+    prompts = [[72, 101, 108, 108, 111], [(i * 37) % 250 for i in range(40)]]
+    want = [list(generate_classic(loaded.target, p, max_tokens=24)) for p in prompts]
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return da.decode_attention(*args)
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")  # what attention_core asks
+    monkeypatch.setattr(tm, "decode_attention", counted)
+    for p, w in zip(prompts, want, strict=True):
+        assert list(generate_classic(loaded.target, p, max_tokens=24)) == w
+        got = generate_mtp(loaded.target, loaded.drafter, p, block_size=3, max_tokens=24)
+        assert list(got) == w
+    assert len(calls) >= 2 * 23
+
+    def dropped_key(*args):  # the new position's own key left out of the product
+        out, k = da.decode_attention_ops(*args)
+        q, kk, v, gate, qw, kw, eps, keys, values, rope, scale = args
+        wrong, _ = da.decode_attention_ops(q, kk, v, gate, qw, kw, eps, keys[:, :, 1:],
+                                           values[:, :, 1:], rope, scale)  # fmt: skip
+        return wrong if keys.shape[2] > 1 else out, k
+
+    monkeypatch.setattr(tm, "decode_attention", dropped_key)
+    got = [list(generate_classic(loaded.target, p, max_tokens=24)) for p in prompts]
+    assert got != want
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_cuda_kernels_match_the_reference(dtype):
+    assert da._self_check(dtype, dtype, 256, EPS, ROPE, 0.0625) is None
+    for N in (1, 15, 16, 300, 2000):  # one split, a split's edge, many, the most
+        args = _inputs(dtype, B=1, Hq=24, Hkv=4, N=N, D=256, seed=N)
+        got = da.decode_attention_native(*args[:6], EPS, *args[6:], ROPE, 0.0625)
+        again = da.decode_attention_native(*args[:6], EPS, *args[6:], ROPE, 0.0625)
+        want = _ops(args, 0.0625)
+        for a, b, c in zip(got, want, again, strict=True):
+            assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), rtol=2e-2,
+                               atol=2e-2).item(), f"N = {N}"  # fmt: skip
+            assert mx.array_equal(a, c).item(), f"N = {N}: not deterministic"
