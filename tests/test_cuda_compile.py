@@ -152,8 +152,8 @@ def test_decode_attention_kernels_compile_without_spills(tmp_path, dtype):
     constants = {"InT": dtype, "D": 256, "WARPS": da._WARPS}
     code = _wrap(partial, header, dict.fromkeys(names, dtype), outputs, constants)
     assert _no_spills(_compile(tmp_path, code))
-    types = {"part_m": F32, "part_l": F32, "part_acc": F32, "gate": dtype}
-    code = _wrap(combine, "", types, {"out": dtype}, {"InT": dtype, "D": 256})
+    types = {"part_m": F32, "part_l": F32, "part_acc": F32, "gate": dtype, "keys": dtype}
+    code = _wrap(combine, header, types, {"out": dtype}, {"InT": dtype, "D": 256})
     assert _no_spills(_compile(tmp_path, code))
 
 

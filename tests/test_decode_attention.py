@@ -28,15 +28,15 @@ def fresh_verdicts():
     kernels.reset_verdicts()
 
 
-def _inputs(dtype=mx.bfloat16, B=2, Hq=6, Hkv=2, N=20, D=128, seed=0):
-    """q [B, 1, Hq, D] and gate, strided views into one projection row (as the model has them);
-    k, v [B, 1, Hkv, D]; the norms' weights; keys and values [B, Hkv, N, D], views into a longer
+def _inputs(dtype=mx.bfloat16, B=2, Hq=6, Hkv=2, N=20, D=128, seed=0, T=1):
+    """q [B, T, Hq, D] and gate, strided views into one projection row (as the model has them);
+    k, v [B, T, Hkv, D]; the norms' weights; keys and values [B, Hkv, N, D], views into a longer
     buffer (as mlx-lm's KVCache holds them)."""
     ks = mx.random.split(mx.random.key(seed), 6)
-    qg = (mx.random.normal((B, 1, Hq, 2 * D), key=ks[0]) * 2).astype(dtype)
+    qg = (mx.random.normal((B, T, Hq, 2 * D), key=ks[0]) * 2).astype(dtype)
     q, gate = qg[..., :D], qg[..., D:]
-    k = (mx.random.normal((B, 1, Hkv, D), key=ks[1]) * 2).astype(dtype)
-    v = mx.random.normal((B, 1, Hkv, D), key=ks[2]).astype(dtype)
+    k = (mx.random.normal((B, T, Hkv, D), key=ks[1]) * 2).astype(dtype)
+    v = mx.random.normal((B, T, Hkv, D), key=ks[2]).astype(dtype)
     qw, kw = (mx.random.uniform(0.5, 1.5, (D,), key=key).astype(dtype)
               for key in mx.random.split(ks[3]))  # fmt: skip
     buffer = mx.random.normal((2, B, Hkv, N + 9, D), key=ks[4]).astype(dtype)
@@ -50,7 +50,7 @@ def _ops(args, scale):
 def _emulated(args, scale, metal=False, partial=None) -> tuple[np.ndarray, np.ndarray]:
     """(out, new key) of the two kernels in emulation: bf16 bits (CUDA) or float32 (Metal)."""
     q, k, v, gate, qw, kw, keys, values = args
-    B, _, Hq, D = q.shape
+    B, T, Hq, D = q.shape
     names = ["q", "k", "v", "q_norm", "k_norm", "keys", "values"]
     given = dict(zip(names, args[:3] + args[4:], strict=True))
     if metal:
@@ -61,7 +61,7 @@ def _emulated(args, scale, metal=False, partial=None) -> tuple[np.ndarray, np.nd
         host_gate, constants = np.array(gate.view(mx.uint16)), {"InT": "__nv_bfloat16"}
         types = dict.fromkeys(names + ["gate"], "InT")
     header, partial_src, combine_src = da.sources(metal, EPS, ROPE, scale)
-    shapes = da.launch_shapes(B, Hq, k.shape[2], keys.shape[2], D)
+    shapes = da.launch_shapes(B, T, Hq, k.shape[2], keys.shape[2], D)
     parts = cuda_emulation.run(
         partial or partial_src, host,
         dict(zip(da._PARTIAL_OUTPUTS, shapes["partial_outputs"], strict=True)),
@@ -69,19 +69,22 @@ def _emulated(args, scale, metal=False, partial=None) -> tuple[np.ndarray, np.nd
         shapes["partial_threadgroup"], header=header, types=types,
     )  # fmt: skip
     combined = cuda_emulation.run(
-        combine_src, {n: parts[n] for n in da._PARTIAL_OUTPUTS[:3]} | {"gate": host_gate},
+        combine_src,
+        {n: parts[n] for n in da._PARTIAL_OUTPUTS[:3]} | {"gate": host_gate, "keys": host["keys"]},
         {"out": shapes["combine_outputs"][0]}, constants | {"D": D}, shapes["combine_grid"],
-        shapes["combine_threadgroup"], types=types and {"gate": "InT"},
+        shapes["combine_threadgroup"], header=header,
+        types=types and {"gate": "InT", "keys": "InT"},
     )  # fmt: skip
     return combined["out"], parts["k_out"]
 
 
 @emulated
 @pytest.mark.parametrize("metal", [False, True], ids=["cuda", "metal"])
-@pytest.mark.parametrize("N,Hq,Hkv", [(1, 2, 1), (20, 6, 2), (40, 4, 4)])
-def test_emulated_kernels_match_the_reference(metal, N, Hq, Hkv):
-    """One split and several (N + 1 = 41 keys: 3), grouped queries, the cache a view."""
-    args = _inputs(N=N, Hq=Hq, Hkv=Hkv)
+@pytest.mark.parametrize("N,Hq,Hkv,T", [(1, 2, 1, 1), (20, 6, 2, 1), (40, 4, 4, 1), (14, 4, 2, 3)])
+def test_emulated_kernels_match_the_reference(metal, N, Hq, Hkv, T):
+    """One split and several (N + 1 = 41 keys: 3), grouped queries, the cache a view; a block
+    of 3 positions whose keys cross a split's edge (15, 16, 17 keys: 1, 1, 2 splits)."""
+    args = _inputs(N=N, Hq=Hq, Hkv=Hkv, T=T)
     scale = 128**-0.5
     assert da.splits(N + 1) == (N + 16) // 16
     out, k_new = _emulated(args, scale, metal)
@@ -96,16 +99,19 @@ def test_emulated_kernels_match_the_reference(metal, N, Hq, Hkv):
 
 @emulated
 @pytest.mark.parametrize(
-    "mistake",
+    "mistake,T",
     [
-        ("for (int j = j0 + warp; j < j1;", "for (int j = j0 + warp; j < j1 - 1;"),  # no new key
-        ("x1 * s + x2 * c", "x1 * s - x2 * c"),  # the wrong rotation
-        ("expf(red_m[w] - M), a)", "1.0f, a)"),  # the warps' partials merged unscaled
-        ("hk * keys_strides[1]", "hk * keys_strides[2]"),  # the cache read through wrong strides
+        (("int j = j0 + warp; j < j1;", "int j = j0 + warp; j < j1 - 1;"), 1),  # no new key
+        (("x1 * s + x2 * c", "x1 * s - x2 * c"), 1),  # the wrong rotation
+        (("expf(red_m[w] - M), a)", "1.0f, a)"), 1),  # the warps' partials merged unscaled
+        (("hk * keys_strides[1]", "hk * keys_strides[2]"), 1),  # the cache through wrong strides
+        (("static_cast<float>(N + t)", "static_cast<float>(N)"), 3),  # every query at position N
+        (("u * k_strides[1]", "0 * k_strides[1]"), 3),  # the block's first key for all of them
+        (("++t;", "t += 0;"), 3),  # every split given to the first position
     ],
 )
-def test_emulation_catches_a_broken_kernel(mistake):
-    args = _inputs(N=40, Hq=4, Hkv=2)
+def test_emulation_catches_a_broken_kernel(mistake, T):
+    args = _inputs(N=40, Hq=4, Hkv=2, T=T)
     scale = 128**-0.5
     header, partial, _ = da.sources(False, EPS, ROPE, scale)
     text = partial if mistake[0] in partial else header
@@ -122,6 +128,25 @@ def test_emulation_catches_a_broken_kernel(mistake):
         bad = _emulated(args, scale, partial=broken)[0]
     good = _emulated(args, scale)[0]
     assert not np.allclose(bad, good, rtol=2e-2, atol=2e-2)
+
+
+@emulated
+@pytest.mark.parametrize("N", [14, 40])
+def test_emulated_block_rows_equal_one_position_launches(N):
+    """A verify block's rows are bitwise what decode steps at those positions compute: the
+    kernels on a block of 3, against the kernels on one position at a time, each step's new key
+    (the kernel's own output) and value appended to the cache as the model's cache does."""
+    q, k, v, gate, qw, kw, keys, values = args = _inputs(N=N, Hq=4, Hkv=2, T=3)
+    scale = 128**-0.5
+    out, k_new = _emulated(args, scale)
+    for t in range(3):
+        row = tuple(x[:, t : t + 1] for x in (q, k, v, gate))
+        o, kt = _emulated(row + (qw, kw, keys, values), scale)
+        assert np.array_equal(o, out[:, t : t + 1]), f"position {t}"
+        assert np.array_equal(kt, k_new[:, :, t : t + 1]), f"position {t}"
+        kt = mx.array(kt).astype(mx.bfloat16)  # exact: the kernel stored bf16 values
+        keys = mx.concatenate([keys, kt], axis=2)
+        values = mx.concatenate([values, v[:, t : t + 1].transpose(0, 2, 1, 3)], axis=2)
 
 
 def test_both_spellings_are_one_text():
@@ -180,10 +205,44 @@ def test_a_wrong_kernel_is_refused_with_a_warning(monkeypatch, wrong):
         assert mx.array_equal(a, b).item()
 
 
-def test_the_model_takes_the_one_position_path_on_a_gpu_and_stays_exact(load, monkeypatch):
-    """With the backend reported as a GPU, decode steps go through ``decode_attention`` (its
-    reference here), and give the general path's tokens; MTP's verify blocks (the CPU's batched
-    attention) give the same tokens too. A wrong result there changes the tokens."""
+def test_a_block_whose_rows_differ_goes_position_by_position(monkeypatch):
+    """Right alone, a last-bit skew in a block's rows: blocks are refused (with a warning) and
+    run as one-position launches of the same kernels, which are still trusted."""
+    calls = []
+
+    def native(*args):
+        calls.append(args[0].shape[1])
+        out, k = da.decode_attention_ops(*args)
+        return (out * (1 + 2**-7), k) if args[0].shape[1] > 1 else (out, k)
+
+    _pretend_gpu(monkeypatch, native)
+    args = _inputs(N=33, T=3)
+    with pytest.warns(RuntimeWarning, match="decode_attention_block kernel disagrees"):
+        out = da.decode_attention(*args[:6], EPS, *args[6:], ROPE, 0.0625)
+    assert calls[-3:] == [1, 1, 1]
+    for a, b in zip(out, _ops(args, 0.0625), strict=True):
+        assert mx.array_equal(a, b).item()
+
+
+def test_a_block_runs_in_one_launch_pair_once_trusted(monkeypatch):
+    calls = []
+
+    def native(*args):
+        calls.append(args[0].shape[1])
+        return da.decode_attention_ops(*args)
+
+    _pretend_gpu(monkeypatch, native)
+    args = _inputs(N=33, T=3)
+    out = da.decode_attention(*args[:6], EPS, *args[6:], ROPE, 0.0625)
+    assert calls[-1] == 3
+    for a, b in zip(out, _ops(args, 0.0625), strict=True):
+        assert mx.array_equal(a, b).item()
+
+
+def test_the_model_takes_the_kernel_path_on_a_gpu_and_stays_exact(load, monkeypatch):
+    """With the backend reported as a GPU, decode steps and MTP's verify blocks go through
+    ``decode_attention`` (its reference here, a block position by position), and give the
+    general path's tokens. A wrong result there changes the tokens."""
     from mtpcli.models import qwen3_5 as tm
 
     loaded = load()
@@ -192,7 +251,7 @@ def test_the_model_takes_the_one_position_path_on_a_gpu_and_stays_exact(load, mo
     calls = []
 
     def counted(*args):
-        calls.append(1)
+        calls.append(args[0].shape[1])  # positions
         return da.decode_attention(*args)
 
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")  # what attention_core asks
@@ -201,7 +260,7 @@ def test_the_model_takes_the_one_position_path_on_a_gpu_and_stays_exact(load, mo
         assert list(generate_classic(loaded.target, p, max_tokens=24)) == w
         got = generate_mtp(loaded.target, loaded.drafter, p, block_size=3, max_tokens=24)
         assert list(got) == w
-    assert len(calls) >= 2 * 23
+    assert calls.count(1) >= 2 * 23 and max(calls) == 3  # decode steps, and verify blocks
 
     def dropped_key(*args):  # the new position's own key left out of the product
         out, k = da.decode_attention_ops(*args)
@@ -213,6 +272,18 @@ def test_the_model_takes_the_one_position_path_on_a_gpu_and_stays_exact(load, mo
     monkeypatch.setattr(tm, "decode_attention", dropped_key)
     got = [list(generate_classic(loaded.target, p, max_tokens=24)) for p in prompts]
     assert got != want
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_cuda_block_rows_equal_one_position_launches(dtype):
+    for N in (1, 14, 300):
+        args = _inputs(dtype, B=1, Hq=24, Hkv=4, N=N, D=256, seed=N, T=4)
+        full = (*args[:6], EPS, *args[6:], ROPE, 0.0625)
+        block = da.decode_attention_native(*full)
+        steps = da.one_at_a_time(da.decode_attention_native, *full)
+        for a, b in zip(block, steps, strict=True):
+            assert mx.array_equal(a, b).item(), f"N = {N}"
 
 
 @cuda

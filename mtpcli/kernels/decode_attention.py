@@ -1,12 +1,14 @@
-"""One query's attention over the KV cache, for a full-attention layer's decode step.
+"""Attention of a decode step's query, or a verify block's T queries, over the KV cache.
 
 mlx-lm's step is, after the q/k/v projections: RMSNorm of q and of k, RoPE of each, the cache
 update, the attention product (MLX's GPU kernels have no one-query path for head dim 256 and
 run it as five ops), and the output gate: 14 launches a layer on CUDA, where one decode step of
 the 27B shape is paced by its launches. Here the norms, the rotations, the product and the gate
 are two launches (a block of keys per threadgroup, then the blocks combined), plus the cache's
-own two row copies. Both the decode step and a verify block (one position at a time on a GPU)
-run it, so their rows are the same arithmetic.
+own two row copies. A block of T positions is T one-query problems in the same launches:
+position t attends the cache and the block's first t + 1 keys, split and summed exactly as a
+decode step at that position would, so a verify's rows equal decode rows bitwise by
+construction, as the quantized product's do.
 """
 
 from __future__ import annotations
@@ -39,10 +41,15 @@ class Rope:
 
 def decode_attention_ops(q, k, v, gate, q_norm, k_norm, eps: float, keys, values, rope: Rope,
                          scale: float) -> tuple[mx.array, mx.array]:  # fmt: skip
-    """Ops reference (mlx-lm's arithmetic). q [B, 1, Hq, D], k and v [B, 1, Hkv, D], gate
-    [B, 1, Hq, D], the norms' weights [D], the cache's keys and values [B, Hkv, N, D] (the N
-    positions before this one). Returns the gated output [B, 1, Hq * D] and the new key, normed
-    and rotated, [B, Hkv, 1, D] (what the cache stores)."""
+    """Ops reference (mlx-lm's arithmetic, one position at a time). q [B, T, Hq, D], k and v
+    [B, T, Hkv, D], gate [B, T, Hq, D], the norms' weights [D], the cache's keys and values
+    [B, Hkv, N, D] (the N positions before these). Returns the gated output [B, T, Hq * D] and
+    the new keys, normed and rotated, [B, Hkv, T, D] (what the cache stores)."""
+    args = (q, k, v, gate, q_norm, k_norm, eps, keys, values, rope, scale)
+    return _one_query_ops(*args) if q.shape[1] == 1 else one_at_a_time(_one_query_ops, *args)
+
+
+def _one_query_ops(q, k, v, gate, q_norm, k_norm, eps, keys, values, rope, scale):
     B, N = q.shape[0], keys.shape[2]
     q = mx.fast.rms_norm(q, q_norm, eps).transpose(0, 2, 1, 3)  # [B, Hq, 1, D]
     k = mx.fast.rms_norm(k, k_norm, eps).transpose(0, 2, 1, 3)  # [B, Hkv, 1, D]
@@ -55,11 +62,13 @@ def decode_attention_ops(q, k, v, gate, q_norm, k_norm, eps: float, keys, values
     return o * mx.sigmoid(gate.reshape(B, 1, -1)), k
 
 
-# Splits of the N + 1 keys: at least MIN_CHUNK keys a threadgroup, at most MAX_SPLITS
-# threadgroups a head. The kernel and the launch compute them with the same formula.
+# Splits of a position's n keys: at least MIN_CHUNK keys a threadgroup, at most MAX_SPLITS
+# threadgroups a head. The kernels and the launch compute them with the same formula.
 MIN_CHUNK = 16
 MAX_SPLITS = 64
+MAX_T = 16  # positions a launch (a verify block's; longer blocks go through MLX's ops)
 _WARPS = 8  # a threadgroup's warps / SIMD-groups; keys go to them round-robin
+_SPLITS = f"#define SPLITS(n) min(((n) + {MIN_CHUNK - 1}) / {MIN_CHUNK}, {MAX_SPLITS})\n"
 
 
 def splits(n_keys: int) -> int:
@@ -101,42 +110,43 @@ KERNEL_FN void mtp_norm_rope(DEVICE const T* x, long stride, DEVICE const W* w, 
 }
 """
 
-# Threadgroup (b, h, split): the query normed and rotated in every warp's registers; the keys
-# j0 <= j < j1 of the split round-robin over the warps, each keeping a running max, sum and
-# weighted sum of values; then the warps' partials merged in warp order. Key N (this position)
-# is k and v themselves: the last split normalises and rotates k into shared memory, and its
-# first head of each KV group writes it out for the cache.
+# Threadgroup (b, h, position t, split): position t's n = N + t + 1 keys in SPLITS(n) blocks
+# (what a decode step at that position does: the layout depends on n alone). The query normed
+# and rotated in every warp's registers; the split's keys j0 <= j < j1 round-robin over the
+# warps, each keeping a running max, sum and weighted sum of values; then the warps' partials
+# merged in warp order. Keys from N on are the block's own: the warp that takes one normalises
+# and rotates it from k (the values stored in the cache are these, rounded alike), and the last
+# position's first head of each KV group writes it out for the cache.
 _PARTIAL = """
     constexpr int NPT = D / 32;
     THREAD_INDICES
+    const int T = q_shape[1];
     const int Hq = q_shape[2];
-    const int G = Hq / k_shape[2];
+    const int Hkv = k_shape[2];
+    const int G = Hq / Hkv;
     const int N = keys_shape[2];
-    const int S = min((N + MIN_CHUNK) / MIN_CHUNK, MAX_SPLITS);
-    const int chunk = (N + S) / S;
-    const int split = blk % S;
-    const int h = (blk / S) % Hq;
-    const int b = blk / (S * Hq);
+    int total = 0;
+    for (int u = 0; u < T; ++u) total += SPLITS(N + u + 1);
+    const int h = (blk / total) % Hq;
+    const int b = blk / (total * Hq);
     const int hk = h / G;
+    int split = blk % total;
+    int t = 0;
+    while (split >= SPLITS(N + t + 1)) {
+      split -= SPLITS(N + t + 1);
+      ++t;
+    }
+    const int n = N + t + 1;
+    const int S = SPLITS(n);
+    const int chunk = (n + S - 1) / S;
     const int j0 = split * chunk;
-    const int j1 = min(j0 + chunk, N + 1);
-    const float pos = static_cast<float>(N);
-    SHARED float knew[D];
+    const int j1 = min(j0 + chunk, n);
     SHARED float red_m[WARPS];
     SHARED float red_l[WARPS];
     SHARED float red_acc[WARPS * D];
     float qv[NPT];
-    mtp_norm_rope<D>(q + b * q_strides[0] + h * q_strides[2], q_strides[3], q_norm, lane, pos, qv);
-    if (j1 == N + 1 && warp == 0) {
-      float kv[NPT];
-      mtp_norm_rope<D>(k + b * k_strides[0] + hk * k_strides[2], k_strides[3], k_norm, lane,
-                       pos, kv);
-      for (int i = 0; i < NPT; ++i) {
-        knew[i * 32 + lane] = kv[i];
-        if (h % G == 0) k_out[(b * k_shape[2] + hk) * D + i * 32 + lane] = static_cast<InT>(kv[i]);
-      }
-    }
-    BARRIER;
+    mtp_norm_rope<D>(q + b * q_strides[0] + t * q_strides[1] + h * q_strides[2], q_strides[3],
+                     q_norm, lane, static_cast<float>(N + t), qv);
     float m = -3.0e38f;
     float l = 0.0f;
     float acc[NPT];
@@ -154,10 +164,15 @@ _PARTIAL = """
           vr[i] = static_cast<float>(vp[(i * 32 + lane) * values_strides[3]]);
         }
       } else {
+        const int u = j - N;
+        mtp_norm_rope<D>(k + b * k_strides[0] + u * k_strides[1] + hk * k_strides[2],
+                         k_strides[3], k_norm, lane, static_cast<float>(j), kr);
         for (int i = 0; i < NPT; ++i) {
-          kr[i] = knew[i * 32 + lane];
-          vr[i] = static_cast<float>(v[b * v_strides[0] + hk * v_strides[2]
+          vr[i] = static_cast<float>(v[b * v_strides[0] + u * v_strides[1] + hk * v_strides[2]
                                        + (i * 32 + lane) * v_strides[3]]);
+          if (t == T - 1 && h % G == 0) {
+            k_out[((b * Hkv + hk) * T + u) * D + i * 32 + lane] = static_cast<InT>(kr[i]);
+          }
         }
       }
       float s = 0.0f;
@@ -192,16 +207,24 @@ _PARTIAL = """
     }
 """
 
-# Threadgroup (b, h), a thread a feature: the splits merged in order, the output rounded to the
-# input dtype as MLX's attention leaves it, times the gate's sigmoid (rounded, as mlx-lm's
-# ``o * mx.sigmoid(gate)``).
+# Threadgroup (b, t, h), a thread a feature: position t's splits merged in order, the output
+# rounded to the input dtype as MLX's attention leaves it, times the gate's sigmoid (rounded, as
+# mlx-lm's ``o * mx.sigmoid(gate)``). The cache's keys are an input for their length only.
 _COMBINE = """
     THREAD_INDICES
-    const int S = part_m_shape[2];
-    const int h = blk % part_m_shape[1];
-    const int b = blk / part_m_shape[1];
-    DEVICE const float* pm = part_m + (size_t)blk * S;
-    DEVICE const float* pl = part_l + (size_t)blk * S;
+    const int T = gate_shape[1];
+    const int Hq = gate_shape[2];
+    const int N = keys_shape[2];
+    const int total = part_m_shape[2];
+    const int h = blk % Hq;
+    const int t = (blk / Hq) % T;
+    const int b = blk / (Hq * T);
+    int base = 0;
+    for (int u = 0; u < t; ++u) base += SPLITS(N + u + 1);
+    const int S = SPLITS(N + t + 1);
+    const size_t first = (size_t)(b * Hq + h) * total + base;
+    DEVICE const float* pm = part_m + first;
+    DEVICE const float* pl = part_l + first;
     float M = pm[0];
     for (int s = 1; s < S; ++s) M = fmaxf(M, pm[s]);
     float L = 0.0f;
@@ -209,11 +232,11 @@ _COMBINE = """
     for (int s = 0; s < S; ++s) {
       const float f = expf(pm[s] - M);
       L = fmaf(pl[s], f, L);
-      a = fmaf(part_acc[((size_t)blk * S + s) * D + tid], f, a);
+      a = fmaf(part_acc[(first + s) * D + tid], f, a);
     }
     const float o = static_cast<float>(static_cast<InT>(a / L));
-    const float g = static_cast<float>(gate[b * gate_strides[0] + h * gate_strides[2]
-                                            + tid * gate_strides[3]]);
+    const float g = static_cast<float>(gate[b * gate_strides[0] + t * gate_strides[1]
+                                            + h * gate_strides[2] + tid * gate_strides[3]]);
     const float sg = static_cast<float>(static_cast<InT>(1.0f / (1.0f + expf(-g))));
     out[(size_t)blk * D + tid] = static_cast<InT>(o * sg);
 """
@@ -254,16 +277,15 @@ def sources(metal: bool, eps: float, rope: Rope, scale: float) -> tuple[str, str
               .replace("ROPE_SCALE", _literal(rope.scale))
               .replace("ROPE_LOG2_BASE", _literal(math.log2(rope.base))))  # fmt: skip
     partial = (_PARTIAL.replace("THREAD_INDICES", _THREAD_INDICES[metal])
-               .replace("ATTN_SCALE", _literal(scale))
-               .replace("MIN_CHUNK", str(MIN_CHUNK))
-               .replace("MAX_SPLITS", str(MAX_SPLITS)))  # fmt: skip
+               .replace("ATTN_SCALE", _literal(scale)))  # fmt: skip
     combine = _COMBINE.replace("THREAD_INDICES", _THREAD_INDICES[metal])
+    header = _SPLITS + header
     return tuple(_spelled(text, metal) for text in (header, partial, combine))
 
 
 _PARTIAL_INPUTS = ["q", "k", "v", "q_norm", "k_norm", "keys", "values"]
 _PARTIAL_OUTPUTS = ["part_m", "part_l", "part_acc", "k_out"]
-_COMBINE_INPUTS = ["part_m", "part_l", "part_acc", "gate"]
+_COMBINE_INPUTS = ["part_m", "part_l", "part_acc", "gate", "keys"]
 
 
 def _kernels_for(eps: float, rope: Rope, scale: float):
@@ -273,9 +295,9 @@ def _kernels_for(eps: float, rope: Rope, scale: float):
             factory(name=kernel_name("mtp_attn_partial", header, partial),
                     input_names=_PARTIAL_INPUTS, output_names=_PARTIAL_OUTPUTS,
                     header=header, source=partial, ensure_row_contiguous=False),
-            factory(name=kernel_name("mtp_attn_combine", combine),
-                    input_names=_COMBINE_INPUTS, output_names=["out"], source=combine,
-                    ensure_row_contiguous=False),
+            factory(name=kernel_name("mtp_attn_combine", header, combine),
+                    input_names=_COMBINE_INPUTS, output_names=["out"], header=header,
+                    source=combine, ensure_row_contiguous=False),
         )  # fmt: skip
 
     def cuda():
@@ -287,16 +309,16 @@ def _kernels_for(eps: float, rope: Rope, scale: float):
     return built(_kernels, (eps, rope, scale), cuda, metal)
 
 
-def launch_shapes(B: int, Hq: int, Hkv: int, N: int, D: int) -> dict:
+def launch_shapes(B: int, T: int, Hq: int, Hkv: int, N: int, D: int) -> dict:
     """Grids, threadgroups and output shapes of the two launches (for the launch and tests)."""
-    S = splits(N + 1)
+    S = sum(splits(N + t + 1) for t in range(T))  # every position's splits, in order
     return {
         "partial_grid": (32 * _WARPS * B * Hq * S, 1, 1),
         "partial_threadgroup": (32 * _WARPS, 1, 1),
-        "partial_outputs": [(B, Hq, S), (B, Hq, S), (B, Hq, S, D), (B, Hkv, 1, D)],
-        "combine_grid": (D * B * Hq, 1, 1),
+        "partial_outputs": [(B, Hq, S), (B, Hq, S), (B, Hq, S, D), (B, Hkv, T, D)],
+        "combine_grid": (D * B * T * Hq, 1, 1),
         "combine_threadgroup": (D, 1, 1),
-        "combine_outputs": [(B, 1, Hq * D)],
+        "combine_outputs": [(B, T, Hq * D)],
     }
 
 
@@ -306,9 +328,9 @@ def decode_attention_native(q, k, v, gate, q_norm, k_norm, eps, keys, values, ro
     if kernels is None:
         return None
     partial, combine = kernels
-    B, _, Hq, D = q.shape
+    B, T, Hq, D = q.shape
     Hkv, N = k.shape[2], keys.shape[2]
-    shapes = launch_shapes(B, Hq, Hkv, N, D)
+    shapes = launch_shapes(B, T, Hq, Hkv, N, D)
     f32, dt = mx.float32, q.dtype
     part_m, part_l, part_acc, k_out = partial(
         inputs=[q, k, v, mx.contiguous(q_norm), mx.contiguous(k_norm), keys, values],
@@ -319,7 +341,7 @@ def decode_attention_native(q, k, v, gate, q_norm, k_norm, eps, keys, values, ro
         output_dtypes=[f32, f32, f32, dt],
     )
     out = combine(
-        inputs=[part_m, part_l, part_acc, gate],
+        inputs=[part_m, part_l, part_acc, gate, keys],
         template=[("InT", dt), ("D", D)],
         grid=shapes["combine_grid"],
         threadgroup=shapes["combine_threadgroup"],
@@ -334,7 +356,7 @@ def supported(q: mx.array, k: mx.array, keys: mx.array, rope: Rope | None) -> bo
     B, T, Hq, D = q.shape
     return (
         rope is not None
-        and T == 1
+        and T <= MAX_T
         and keys.shape[2] > 0
         and D % 32 == 0
         and D <= 1024
@@ -345,46 +367,74 @@ def supported(q: mx.array, k: mx.array, keys: mx.array, rope: Rope | None) -> bo
     )
 
 
-def _self_check(dtype, wdtype, D: int, eps: float, rope: Rope, scale: float) -> str | None:
+def one_at_a_time(attend, q, k, v, gate, q_norm, k_norm, eps, keys, values, rope, scale):
+    """``attend`` (the native kernels, say) called position by position as decode steps call
+    it, each step's new key and value appended to the cache: what a block's rows must equal."""
+    outs, news = [], []
+    for t in range(q.shape[1]):
+        rows = (x[:, t : t + 1] for x in (q, k, v, gate))
+        o, new = attend(*rows, q_norm, k_norm, eps, keys, values, rope, scale)
+        outs.append(o)
+        news.append(new)
+        keys = mx.concatenate([keys, new], axis=2)
+        values = mx.concatenate([values, v[:, t : t + 1].transpose(0, 2, 1, 3)], axis=2)
+    return mx.concatenate(outs, axis=1), mx.concatenate(news, axis=2)
+
+
+def _self_check(dtype, wdtype, D: int, eps: float, rope: Rope, scale: float,
+                block: bool = False) -> str | None:  # fmt: skip
     """Agreement with the reference at a few cache lengths (one split and several; a cache
-    that is a view into a longer buffer, as mlx-lm's KVCache gives it)."""
+    that is a view into a longer buffer, as mlx-lm's KVCache gives it), for one position, or
+    (``block``) for blocks of three, whose rows must also be the one-position launches' bitwise
+    (decode steps')."""
     kq, kk, kv, kg, kw, kc = mx.random.split(mx.random.key(1357), 6)
-    B, Hq, Hkv = 2, 6, 2
-    q = (mx.random.normal((B, 1, Hq, D), key=kq) * 2).astype(dtype)
-    k = (mx.random.normal((B, 1, Hkv, D), key=kk) * 2).astype(dtype)
-    v = mx.random.normal((B, 1, Hkv, D), key=kv).astype(dtype)
-    gate = mx.random.normal((B, 1, Hq, D), key=kg).astype(dtype)
+    B, T, Hq, Hkv = 2, 3, 6, 2
+    q = (mx.random.normal((B, T, Hq, D), key=kq) * 2).astype(dtype)
+    k = (mx.random.normal((B, T, Hkv, D), key=kk) * 2).astype(dtype)
+    v = mx.random.normal((B, T, Hkv, D), key=kv).astype(dtype)
+    gate = mx.random.normal((B, T, Hq, D), key=kg).astype(dtype)
     qw, kw_ = (mx.random.uniform(0.5, 1.5, (D,), key=key).astype(wdtype)
                for key in mx.random.split(kw))  # fmt: skip
     buffer = mx.random.normal((2, B, Hkv, 160, D), key=kc).astype(dtype)
     tol = 2e-2 if dtype != mx.float32 else 1e-4
-    for N in (5, 131):
+    for N, rows in ((14, T), (131, T)) if block else ((5, 1), (131, 1)):  # 14: across an edge
         keys, values = buffer[0, :, :, :N], buffer[1, :, :, :N]
+        args = (q[:, :rows], k[:, :rows], v[:, :rows], gate[:, :rows], qw, kw_, eps, keys,
+                values, rope, scale)  # fmt: skip
         try:
-            got = decode_attention_native(q, k, v, gate, qw, kw_, eps, keys, values, rope, scale)
-            want = decode_attention_ops(q, k, v, gate, qw, kw_, eps, keys, values, rope, scale)
-            mx.eval(got, want)
+            got = decode_attention_native(*args)
+            want = decode_attention_ops(*args)
+            steps = one_at_a_time(decode_attention_native, *args) if rows > 1 else got
+            mx.eval(got, want, steps)
         except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
             return f"{type(e).__name__}: {e}"
-        for a, b in zip(got, want, strict=True):
+        for a, b, c in zip(got, want, steps, strict=True):
+            if not mx.array_equal(a, c).item():
+                return f"a block's rows differ from one-position launches at N = {N}"
             a, b = a.astype(mx.float32), b.astype(mx.float32)
             if a.shape != b.shape or not mx.allclose(a, b, rtol=tol, atol=tol).item():
-                return f"differs from the reference at N = {N} by up to " \
+                return f"differs from the reference at N = {N}, T = {rows} by up to " \
                        f"{mx.abs(a - b).max().item():.3g}"  # fmt: skip
     return None
 
 
 def decode_attention(q, k, v, gate, q_norm, k_norm, eps: float, keys, values, rope: Rope | None,
                      scale: float) -> tuple[mx.array, mx.array]:  # fmt: skip
-    """One query's gated attention on the best trusted path (shapes as ``decode_attention_ops``;
-    ``rope`` None means a rotary embedding the kernels do not do)."""
+    """Gated attention of T positions on the best trusted path, each row as a decode step at
+    its position computes it (shapes as ``decode_attention_ops``; ``rope`` None means a rotary
+    embedding the kernels do not do)."""
     if backend() != "cpu" and supported(q, k, keys, rope):
         D = q.shape[-1]
         key = (backend(), str(q.dtype), str(q_norm.dtype), D, eps, rope, scale)
-        check = lambda: _self_check(q.dtype, q_norm.dtype, D, eps, rope, scale)  # noqa: E731
-        if use_native("decode_attention", key, check):
-            got = decode_attention_native(q, k, v, gate, q_norm, k_norm, eps, keys, values,
-                                          rope, scale)  # fmt: skip
+        args = (q, k, v, gate, q_norm, k_norm, eps, keys, values, rope, scale)
+        check = lambda block: _self_check(q.dtype, q_norm.dtype, D, eps, rope, scale, block)  # noqa: E731
+        if use_native("decode_attention", key, lambda: check(False)):
+            # A block in one pair of launches once its rows proved the one-position ones
+            # bitwise on this device; else position by position through the same kernels.
+            if q.shape[1] == 1 or use_native("decode_attention_block", key, lambda: check(True)):
+                got = decode_attention_native(*args)
+            else:
+                got = one_at_a_time(decode_attention_native, *args)
             if got is not None:
                 return got
     if rope is None:

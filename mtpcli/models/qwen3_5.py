@@ -24,7 +24,7 @@ from .. import kernels
 from ..config import ModelConfig
 from ..kernels import quantized_matmul
 from ..kernels.conv_window import conv_silu
-from ..kernels.decode_attention import Rope, decode_attention
+from ..kernels.decode_attention import MAX_T, Rope, decode_attention
 from ..kernels.gated_delta import gated_delta_raw
 from ..kernels.gated_norm import gated_norm
 from ..kernels.quantized_matmul import FusedProjection
@@ -165,14 +165,22 @@ def _attention_pre(m, h, norm, fused=None):
     return q, k, v, gate
 
 
+def rows_rope(m, cache: KVCache, L: int) -> Rope | None:
+    """The rotary spec where L positions after the cache go through ``decode_attention`` on a
+    GPU (each row exactly a decode step's), else None (MLX's ops: prefill, the CPU)."""
+    if kernels.backend() == "cpu" or cache.offset == 0 or L > MAX_T or m.q_norm.eps != m.k_norm.eps:
+        return None
+    return Rope.of(m.rope)
+
+
 def attention_core(m, q, k, v, gate, mask, cache: KVCache) -> mx.array:
     """The q/k norms, positions, the cache, the product and the output gate: [B, L, Hq * D]
-    (eager: the cache offset moves every step). One position on a GPU goes through
-    ``decode_attention`` (two launches where its kernels run), decode and verify alike."""
+    (eager: the cache offset moves every step). A decode step or a verify block on a GPU goes
+    through ``decode_attention`` (two launches where its kernels run), rows exact by
+    construction."""
     B, L = q.shape[:2]
-    rope, N = Rope.of(m.rope), cache.offset
-    if L == 1 and N > 0 and rope is not None and kernels.backend() != "cpu" \
-            and m.q_norm.eps == m.k_norm.eps:  # fmt: skip
+    rope, N = rows_rope(m, cache, L), cache.offset
+    if rope is not None:
         keys, values = cache.keys[..., :N, :], cache.values[..., :N, :]  # [B, Hkv, N, D]
         o, k = decode_attention(q, k, v, gate, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps,
                                 keys, values, rope, m.scale)  # fmt: skip
@@ -385,12 +393,14 @@ class Qwen35Target:
         sig = policy.signature(layer)
         pre, post = self._fn("pre", i, compiled=compiled), self._fn("post", i, compiled=compiled)
         q, k, v, gate = policy.rows(pre, (h,), verify, (sig, "pre"), not self.unprobed[i])
-        if not verify or T == 1 or mx.default_device() == mx.cpu:
-            # MLX's CPU attention is row-invariant by construction (masked keys add exact zeros).
+        exact_rows = rows_rope(m, cache, T) is not None
+        if not verify or T == 1 or mx.default_device() == mx.cpu or exact_rows:
+            # MLX's CPU attention is row-invariant by construction (masked keys add exact zeros),
+            # and so is decode_attention on a GPU (each row a decode step's arithmetic).
             o = attention_core(m, q, k, v, gate, mask, cache)
         else:
-            # GPU attention kernels differ between one query and a block, and only now and then
-            # in the last bit (a probe can pass by luck): one position at a time, as decode runs.
+            # MLX's GPU attention kernels differ between one query and a block, and only now and
+            # then in the last bit (a probe can pass by luck): one position at a time, as decode.
             o = mx.concatenate(
                 [attention_core(m, *(x[:, t : t + 1] for x in (q, k, v, gate)), None, cache)
                  for t in range(T)], axis=1)  # fmt: skip
