@@ -103,3 +103,17 @@ def tiny_mixer():
     x = mx.random.normal((1, 3, 64), key=mx.random.key(2))
     conv_state, state = mx.zeros((1, 3, m.conv_dim)), mx.zeros((1, 2, 32, 32))
     return m, x, conv_state, state, x + m(x, cache=None)
+
+
+@pytest.fixture
+def pretend_gpu(monkeypatch):
+    """pretend_gpu(module, name, native): a kernel module reports a GPU backend, its native
+    function ``name`` is ``native`` (a fake), and kernels run in auto mode (self-checked)."""
+    from mtpcli import kernels
+
+    def _pretend(module, name, native):
+        monkeypatch.setattr(module, "backend", lambda: "cuda")
+        monkeypatch.setattr(module, name, native)
+        monkeypatch.setitem(kernels._state, "mode", "auto")
+
+    return _pretend

@@ -168,20 +168,14 @@ def test_rope_spec_only_for_what_the_kernel_does():
     assert da.Rope.of(nn.Identity()) is None
 
 
-def _pretend_gpu(monkeypatch, native):
-    monkeypatch.setattr(da, "backend", lambda: "cuda")
-    monkeypatch.setattr(da, "decode_attention_native", native)
-    monkeypatch.setitem(kernels._state, "mode", "auto")
-
-
-def test_a_correct_kernel_is_trusted_and_used(monkeypatch):
+def test_a_correct_kernel_is_trusted_and_used(pretend_gpu):
     calls = []
 
     def native(*args):
         calls.append(args[7].shape)  # the cache's keys
         return da.decode_attention_ops(*args)
 
-    _pretend_gpu(monkeypatch, native)
+    pretend_gpu(da, "decode_attention_native", native)
     args = _inputs(N=33)
     out = da.decode_attention(*args[:6], EPS, *args[6:], ROPE, 0.0625)
     assert calls[-1] == args[6].shape  # after the self-check's calls
@@ -190,14 +184,14 @@ def test_a_correct_kernel_is_trusted_and_used(monkeypatch):
 
 
 @pytest.mark.parametrize("wrong", ["output", "new key"])
-def test_a_wrong_kernel_is_refused_with_a_warning(monkeypatch, wrong):
+def test_a_wrong_kernel_is_refused_with_a_warning(pretend_gpu, wrong):
     def native(*args):
         out, k = da.decode_attention_ops(*args)
         if args[7].shape[2] < 100:  # right for a short cache only: the check tries a long one
             return out, k
         return (out * 1.5, k) if wrong == "output" else (out, k * 1.5)
 
-    _pretend_gpu(monkeypatch, native)
+    pretend_gpu(da, "decode_attention_native", native)
     args = _inputs(N=33)
     with pytest.warns(RuntimeWarning, match="decode_attention kernel disagrees"):
         out = da.decode_attention(*args[:6], EPS, *args[6:], ROPE, 0.0625)
@@ -205,7 +199,7 @@ def test_a_wrong_kernel_is_refused_with_a_warning(monkeypatch, wrong):
         assert mx.array_equal(a, b).item()
 
 
-def test_a_block_whose_rows_differ_goes_position_by_position(monkeypatch):
+def test_a_block_whose_rows_differ_goes_position_by_position(pretend_gpu):
     """Right alone, a last-bit skew in a block's rows: blocks are refused (with a warning) and
     run as one-position launches of the same kernels, which are still trusted."""
     calls = []
@@ -215,7 +209,7 @@ def test_a_block_whose_rows_differ_goes_position_by_position(monkeypatch):
         out, k = da.decode_attention_ops(*args)
         return (out * (1 + 2**-7), k) if args[0].shape[1] > 1 else (out, k)
 
-    _pretend_gpu(monkeypatch, native)
+    pretend_gpu(da, "decode_attention_native", native)
     args = _inputs(N=33, T=3)
     with pytest.warns(RuntimeWarning, match="decode_attention_block kernel disagrees"):
         out = da.decode_attention(*args[:6], EPS, *args[6:], ROPE, 0.0625)
@@ -224,14 +218,14 @@ def test_a_block_whose_rows_differ_goes_position_by_position(monkeypatch):
         assert mx.array_equal(a, b).item()
 
 
-def test_a_block_runs_in_one_launch_pair_once_trusted(monkeypatch):
+def test_a_block_runs_in_one_launch_pair_once_trusted(pretend_gpu):
     calls = []
 
     def native(*args):
         calls.append(args[0].shape[1])
         return da.decode_attention_ops(*args)
 
-    _pretend_gpu(monkeypatch, native)
+    pretend_gpu(da, "decode_attention_native", native)
     args = _inputs(N=33, T=3)
     out = da.decode_attention(*args[:6], EPS, *args[6:], ROPE, 0.0625)
     assert calls[-1] == 3

@@ -116,20 +116,14 @@ def test_both_spellings_are_one_text():
     assert 0 < len(differ) <= 10, differ
 
 
-def _pretend_gpu(monkeypatch, native):
-    monkeypatch.setattr(gn, "backend", lambda: "cuda")
-    monkeypatch.setattr(gn, "gated_norm_native", native)
-    monkeypatch.setitem(kernels._state, "mode", "auto")
-
-
-def test_a_correct_kernel_is_trusted_and_used(monkeypatch):
+def test_a_correct_kernel_is_trusted_and_used(pretend_gpu):
     calls = []
 
     def native(y, z, w, eps):
         calls.append(y.shape)
         return gn.gated_norm_ops(y, z, w, eps)
 
-    _pretend_gpu(monkeypatch, native)
+    pretend_gpu(gn, "gated_norm_native", native)
     y, z, w = _inputs()
     out = gn.gated_norm(y, z, w, EPS)
     assert calls[-1] == y.shape  # after the self-check's calls
@@ -137,14 +131,14 @@ def test_a_correct_kernel_is_trusted_and_used(monkeypatch):
 
 
 @pytest.mark.parametrize("wrong", ["values", "rows"])
-def test_a_wrong_kernel_is_refused_with_a_warning(monkeypatch, wrong):
+def test_a_wrong_kernel_is_refused_with_a_warning(pretend_gpu, wrong):
     def native(y, z, w, eps):
         out = gn.gated_norm_ops(y, z, w, eps)
         if wrong == "values":
             return out * 1.5
         return out * (1 + 1e-2 * (y.shape[1] > 1))  # rows that depend on the block
 
-    _pretend_gpu(monkeypatch, native)
+    pretend_gpu(gn, "gated_norm_native", native)
     y, z, w = _inputs()
     with pytest.warns(RuntimeWarning, match="gated_norm kernel disagrees"):
         out = gn.gated_norm(y, z, w, EPS)
