@@ -13,7 +13,7 @@ shift || true
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(tests/test_exactness.py tests/test_compile.py tests/test_cuda.py
                                  tests/test_qmm.py tests/test_conv_window.py tests/test_gated_norm.py
-                                 tests/test_kernels.py)
+                                 tests/test_decode_attention.py tests/test_kernels.py)
 logs=${OUT:-/tmp}/cuda_tests
 mkdir -p "$logs"
 for f in "${files[@]}"; do

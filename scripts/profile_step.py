@@ -36,6 +36,8 @@ KINDS = (  # substring of a kernel's name -> what it is; the first match wins
     ("mtp_qmm", "quantized matmul (ours)"),
     ("gated_delta", "gated-delta recurrence (ours)"),
     ("mtp_conv", "convolution window (ours)"),
+    ("mtp_gated_norm", "gated norm (ours)"),
+    ("mtp_attn", "attention (ours)"),
     ("sdpa", "attention (MLX)"),
     ("attention", "attention (MLX)"),
     ("gemv", "dense matmul (MLX)"),

@@ -33,7 +33,8 @@ class Rope:
 
     @classmethod
     def of(cls, module: nn.Module) -> Rope | None:
-        """The spec of an ``nn.RoPE`` the kernel can do; None for other kinds (scaled, yarn...)."""
+        """The spec of an ``nn.RoPE`` the kernel can do; None for the traditional layout and
+        other kinds (dynamic, llama3, yarn...)."""
         if type(module) is not nn.RoPE or module.traditional:
             return None
         return cls(int(module.dims), float(module.base), float(module.scale))
