@@ -268,6 +268,46 @@ def test_the_model_takes_the_kernel_path_on_a_gpu_and_stays_exact(load, monkeypa
     assert got != want
 
 
+class _GpuDefault:
+    """mlx.core as the model module sees it, with a GPU as the default device (the GPU
+    verify's choices, made on the CPU)."""
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    def default_device(self):
+        return mx.Device(mx.gpu)
+
+
+@pytest.mark.parametrize("rope", ["kernel's", "other"])
+def test_a_gpu_verify_runs_attention_as_a_block_only_through_the_kernel_path(load, monkeypatch,
+                                                                            rope):  # fmt: skip
+    """On a GPU a verify block's attention is one call (rows exact by construction) where the
+    kernel path takes the layer; with a rotary kind it does not do, MLX's batched GPU
+    attention is not trusted and the block goes position by position. MTP equals classic."""
+    from mtpcli.models import qwen3_5 as tm
+
+    loaded = load()
+    prompt = [(i * 37) % 250 for i in range(40)]
+    want = list(generate_classic(loaded.target, prompt, max_tokens=24))
+    seen = []
+    original = tm.attention_core
+
+    def recorded(m, q, k, v, gate, mask, cache):
+        seen.append((q.shape[1], cache.offset))
+        return original(m, q, k, v, gate, mask, cache)
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(tm, "mx", _GpuDefault())
+    monkeypatch.setattr(tm, "attention_core", recorded)
+    if rope == "other":
+        monkeypatch.setattr(tm.Rope, "of", classmethod(lambda cls, module: None))
+    got = generate_mtp(loaded.target, loaded.drafter, prompt, block_size=3, max_tokens=24)
+    assert list(got) == want
+    blocks = [T for T, offset in seen if T > 1 and offset > 0]  # not the prompt's prefill
+    assert blocks if rope == "kernel's" else not blocks
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
 def test_cuda_block_rows_equal_one_position_launches(dtype):
