@@ -533,7 +533,7 @@ def _markdown(res: dict, args) -> str:
         labels = {"ours": f"ours as run (qmm {res['qmm']}, compiled layer functions)",
                   "ours_conv_ops": "same, the convolution as mlx-lm's four ops",
                   "ours_gated_norm_ops": "same, the gated norm as mlx-lm's two ops",
-                  "ours_attention_ops": "same, one query's attention as MLX's ops",
+                  "ours_attention_ops": "same, attention as MLX's ops, a position at a time",
                   "ours_residual_apart": "same, the residual adds apart from the products",
                   "ours_norm_swiglu_apart": "same, the input norms and swiglu apart from the "
                   "products",
