@@ -250,6 +250,8 @@ def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = 
         "ours_residual_apart": (_patched(qm, FUSE_RESIDUAL=False), ours(target)),
         "ours_norm_swiglu_apart": (_patched(qm, FUSE_NORM=False, FUSE_SWIGLU=False),
                                    ours(target)),
+        "ours_norm_apart": (_patched(qm, FUSE_NORM=False), ours(target)),
+        "ours_swiglu_apart": (_patched(qm, FUSE_SWIGLU=False), ours(target)),
         "ours_eager": (lambda: _compile("off"), ours(target)),
         "ours_unfused": (nullcontext, ours(unfused)),
         "ours_mlx_qmm": (lambda: stock_layers(unfused.model), ours(unfused)),
@@ -537,6 +539,8 @@ def _markdown(res: dict, args) -> str:
                   "ours_residual_apart": "same, the residual adds apart from the products",
                   "ours_norm_swiglu_apart": "same, the input norms and swiglu apart from the "
                   "products",
+                  "ours_norm_apart": "same, the input norms apart from the products",
+                  "ours_swiglu_apart": "same, the MLP's swiglu apart from its product",
                   "ours_no_gc": "same, Python's garbage collector off",
                   "ours_eager": "same, not compiled (op by op)",
                   "ours_unfused": "ours, projections unfused",

@@ -85,8 +85,9 @@ def test_convolution_kernel_compiles_without_spills(tmp_path):
     assert _no_spills(report), report
 
 
-VARIANTS = [qm.PLAIN, qm.Variant(residual=True), qm.Variant(1e-6), qm.Variant(1e-6, swiglu=True)]
-VARIANT_IDS = ["plain", "residual", "norm", "norm_swiglu"]
+VARIANTS = [qm.PLAIN, qm.Variant(residual=True), qm.Variant(1e-6), qm.Variant(swiglu=True),
+            qm.Variant(1e-6, swiglu=True)]  # fmt: skip
+VARIANT_IDS = ["plain", "residual", "norm", "swiglu", "norm_swiglu"]
 
 
 def _product(variant: qm.Variant, xt: str, bits: int, group_size: int = 64,

@@ -493,14 +493,15 @@ def launch_bounds(warps: int, min_blocks: int) -> str:
             f"__launch_bounds__({32 * warps}, {min_blocks})\n")  # fmt: skip
 
 
-# The norm variants take 67-68 registers unbounded (3 blocks of 8 warps a multiprocessor);
-# bounded to 4 blocks, ptxas fits them in 64 without spills (tests/test_cuda_compile.py).
+# The norm and swiglu variants take 66-68 registers unbounded (3 blocks of 8 warps a
+# multiprocessor); bounded to 4 blocks, ptxas fits them in 64 without spills
+# (tests/test_cuda_compile.py).
 NORM_MIN_BLOCKS = 4
 
 
 def header(variant: Variant, warps: int = WARPS, min_blocks: int | None = None) -> str:
     """The CUDA header a variant's kernel is built with (``min_blocks``: launch bounds)."""
-    if min_blocks is None and variant.norm_eps is not None and warps == WARPS:
+    if min_blocks is None and (variant.norm_eps is not None or variant.swiglu) and warps == WARPS:
         min_blocks = NORM_MIN_BLOCKS
     return _HEADER_CUDA + (launch_bounds(warps, min_blocks) if min_blocks else "")
 
