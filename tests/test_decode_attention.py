@@ -155,7 +155,7 @@ def test_both_spellings_are_one_text():
                                      da.sources(True, EPS, ROPE, 0.0625), strict=True):  # fmt: skip
         a, b = cuda_text.splitlines(), metal_text.splitlines()
         assert len(a) == len(b)
-        spelled = [t for t in {**kernels._SPELLINGS[True], **da._EXTRA[True]}.values() if t]
+        spelled = [t for t in kernels._SPELLINGS[True].values() if t]
         spelled += ["thread_position_in_threadgroup", "thread_index_in_simdgroup",
                     "simdgroup_index_in_threadgroup", "threadgroup_position_in_grid"]  # fmt: skip
         differ = [y for x, y in zip(a, b, strict=True) if x != y]

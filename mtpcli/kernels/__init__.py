@@ -71,6 +71,8 @@ _SPELLINGS = {
         "BARRIER": "__syncthreads()",
         "LANE_OFFSET": "int",
         "XOR_SHUFFLE(": "__shfl_xor_sync(0xffffffffu, ",
+        "KERNEL_FN ": "__device__ __forceinline__ ",  # a header's helper function
+        "THREAD ": "",  # the address space of a thread's own arrays
     },
     True: {  # Metal
         "DEVICE ": "device ",
@@ -84,6 +86,12 @@ _SPELLINGS = {
         "fmaxf(": "fmax(",
         "fabsf(": "fabs(",
         "fmaf(": "fma(",
+        "KERNEL_FN ": "inline ",
+        "THREAD ": "thread ",
+        "exp2f(": "exp2(",
+        "rintf(": "rint(",
+        "cosf(": "cos(",
+        "sinf(": "sin(",
     },
 }
 

@@ -252,23 +252,11 @@ _THREAD_INDICES = {
     const int warp = simdgroup_index_in_threadgroup;
     const int blk = threadgroup_position_in_grid.x;""",
 }
-# Backend spellings only these kernels use (the rest are ``kernels.spell``'s).
-_EXTRA = {
-    False: {"KERNEL_FN ": "__device__ __forceinline__ ", "THREAD ": ""},
-    True: {"KERNEL_FN ": "inline ", "THREAD ": "thread ", "exp2f(": "exp2(", "rintf(": "rint(",
-           "cosf(": "cos(", "sinf(": "sin("},
-}  # fmt: skip
 _kernels: dict = {}
 
 
 def _literal(x: float) -> str:
     return f"{x:.9e}f"
-
-
-def _spelled(text: str, metal: bool) -> str:
-    for token, spelling in _EXTRA[metal].items():
-        text = text.replace(token, spelling)
-    return spell(text, metal)
 
 
 def sources(metal: bool, eps: float, rope: Rope, scale: float) -> tuple[str, str, str]:
@@ -281,7 +269,7 @@ def sources(metal: bool, eps: float, rope: Rope, scale: float) -> tuple[str, str
                .replace("ATTN_SCALE", _literal(scale)))  # fmt: skip
     combine = _COMBINE.replace("THREAD_INDICES", _THREAD_INDICES[metal])
     header = _SPLITS + header
-    return tuple(_spelled(text, metal) for text in (header, partial, combine))
+    return tuple(spell(text, metal) for text in (header, partial, combine))
 
 
 _PARTIAL_INPUTS = ["q", "k", "v", "q_norm", "k_norm", "keys", "values"]

@@ -393,8 +393,8 @@ class Qwen35Target:
         sig = policy.signature(layer)
         pre, post = self._fn("pre", i, compiled=compiled), self._fn("post", i, compiled=compiled)
         q, k, v, gate = policy.rows(pre, (h,), verify, (sig, "pre"), not self.unprobed[i])
-        exact_rows = rows_rope(m, cache, T) is not None
-        if not verify or T == 1 or mx.default_device() == mx.cpu or exact_rows:
+        if (not verify or T == 1 or mx.default_device() == mx.cpu
+                or rows_rope(m, cache, T) is not None):  # fmt: skip
             # MLX's CPU attention is row-invariant by construction (masked keys add exact zeros),
             # and so is decode_attention on a GPU (each row a decode step's arithmetic).
             o = attention_core(m, q, k, v, gate, mask, cache)
