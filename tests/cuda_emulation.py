@@ -62,6 +62,13 @@ using ushort = unsigned short;
 namespace mem_flags { constexpr int mem_threadgroup = 0; }
 static inline void threadgroup_barrier(int) { row_->sync.arrive_and_wait(); }
 static inline float simd_shuffle_xor(float v, ushort off) { return __shfl_xor_sync(0u, v, off); }
+static float simd_shuffle(float v, ushort src) {  // lane src's v; every lane calls it
+  row_->buf[threadIdx.x] = v;
+  warp_wait();
+  const float r = row_->buf[(threadIdx.x & ~31) | (src & 31)];
+  warp_wait();
+  return r;
+}
 #define thread_position_in_threadgroup threadIdx
 #define threadgroup_position_in_grid blockIdx
 #define thread_position_in_grid (Dim3{blockIdx.x * blockDim.x + threadIdx.x, \

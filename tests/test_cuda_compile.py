@@ -86,8 +86,10 @@ def test_convolution_kernel_compiles_without_spills(tmp_path):
 
 
 VARIANTS = [qm.PLAIN, qm.Variant(residual=True), qm.Variant(1e-6), qm.Variant(swiglu=True),
-            qm.Variant(1e-6, swiglu=True)]  # fmt: skip
-VARIANT_IDS = ["plain", "residual", "norm", "swiglu", "norm_swiglu"]
+            qm.Variant(1e-6, swiglu=True), qm.Variant(residual=True, emits=True),
+            qm.Variant(sums_eps=1e-6), qm.Variant(swiglu=True, sums_eps=1e-6)]  # fmt: skip
+VARIANT_IDS = ["plain", "residual", "norm", "swiglu", "norm_swiglu", "residual_emits", "sums",
+               "sums_swiglu"]  # fmt: skip
 
 
 def _product(variant: qm.Variant, xt: str, bits: int, group_size: int = 64,
@@ -96,10 +98,12 @@ def _product(variant: qm.Variant, xt: str, bits: int, group_size: int = 64,
     included where the variant has them)."""
     header = qm.header(variant) if header is None else header
     types = {"x": xt, "w": U32, "scales": xt, "biases": xt}
-    types |= {"norm_w": xt} if variant.norm_eps is not None else {}
+    types |= {"norm_w": xt} if variant.norm_eps is not None or variant.emits else {}
+    types |= {"x_sums": "float"} if variant.sums_eps is not None else {}
     types |= {"residual": xt} if variant.residual else {}
+    outputs = {"y": xt} | ({"y_w": xt, "y_sums": "float"} if variant.emits else {})
     constants = {"XT": xt, "ST": xt, "BITS": bits, "GS": group_size, "WARPS": qm.WARPS}
-    return _wrap(qm.source(False, variant), header, types, {"y": xt}, constants)
+    return _wrap(qm.source(False, variant), header, types, outputs, constants)
 
 
 @pytest.mark.parametrize("xt", [BF16, HALF])

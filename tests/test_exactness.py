@@ -166,9 +166,10 @@ def test_row_policy_catches_an_op_that_is_not_row_invariant(load, monkeypatch):
     out_proj = target.layers[0].linear_attn.out_proj
     original = qm.linear_add
 
-    def skewed(layer, x, residual):  # like a kernel that switches algorithm with the row count
-        out = original(layer, x, residual)
-        return out + 1e-2 * (x.shape[1] > 1) if layer is out_proj else out
+    def skewed(layer, x, residual, then=None):  # a kernel that switches with the row count
+        if layer is not out_proj:
+            return original(layer, x, residual, then)
+        return original(layer, x, residual) + 1e-2 * (x.shape[1] > 1)  # (no norm begun)
 
     monkeypatch.setattr(qm, "linear_add", skewed)
     monkeypatch.setattr(target, "policy", RowPolicy())

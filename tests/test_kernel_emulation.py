@@ -224,24 +224,33 @@ def test_emulated_metal_convolution_matches_the_reference():
         np.testing.assert_allclose(g, np.array(w), rtol=1e-5, atol=1e-6)
 
 
+def _outputs(variant: qm.Variant, m: int, n: int) -> dict:
+    """The emulated launch's outputs: y, and where the variant begins a norm y_w and y_sums."""
+    n_out, groups = qm.launch_shape(n, variant.swiglu)
+    return {"y": (m, n_out)} | ({"y_w": (m, n), "y_sums": (m, groups)} if variant.emits else {})
+
+
 def _metal_qmm(x: np.ndarray, w, scales, biases, group_size: int, bits: int,
                residual: np.ndarray | None = None, variant: qm.Variant = qm.PLAIN,
-               norm_w: np.ndarray | None = None, source: str | None = None):  # fmt: skip
+               norm_w: np.ndarray | None = None, source: str | None = None,
+               x_sums: np.ndarray | None = None):  # fmt: skip
+    """The Metal product's y, or with ``variant.emits`` all its outputs (a dict)."""
     n = w.shape[0]
-    if residual is not None:
+    if residual is not None and not variant.residual:
         variant = qm.Variant(variant.norm_eps, variant.swiglu, True)
-    n_out, groups = qm.launch_shape(n, variant.swiglu)
+    _, groups = qm.launch_shape(n, variant.swiglu)
     extra = {"norm_w": norm_w} if norm_w is not None else {}
+    extra |= {"x_sums": x_sums} if x_sums is not None else {}
     extra |= {"residual": residual} if residual is not None else {}
     out = cuda_emulation.run(
         source or qm.source(True, variant),
         {"x": x, "w": w, "scales": scales, "biases": biases} | extra,
-        {"y": (x.shape[0], n_out)},
+        _outputs(variant, x.shape[0], n),
         {"XT": "float", "ST": "float", "BITS": bits, "GS": group_size, "WARPS": qm.WARPS},
         grid=(32 * qm.WARPS * groups, 1, 1),
         threadgroup=(32 * qm.WARPS, 1, 1),
     )
-    return out["y"]
+    return out if variant.emits else out["y"]
 
 
 @pytest.mark.parametrize("bits", qm.BITS)
@@ -297,25 +306,29 @@ def _as_dequantized(x, w, scales, biases, group_size, bits) -> np.ndarray:
 
 
 def _cuda_qmm(x, w, scales, biases, group_size, bits, warps=qm.WARPS, residual=None,
-              variant: qm.Variant = qm.PLAIN, norm_w=None, source: str | None = None):  # fmt: skip
+              variant: qm.Variant = qm.PLAIN, norm_w=None, source: str | None = None,
+              x_sums: np.ndarray | None = None):  # fmt: skip
+    """The CUDA product's y, or with ``variant.emits`` all its outputs (a dict)."""
     n = w.shape[0]
-    if residual is not None:
+    if residual is not None and not variant.residual:
         variant = qm.Variant(variant.norm_eps, variant.swiglu, True)
-    n_out, groups = qm.launch_shape(n, variant.swiglu)
+    _, groups = qm.launch_shape(n, variant.swiglu)
     extra = {"norm_w": _bits16(norm_w)} if norm_w is not None else {}
+    extra |= {"x_sums": np.asarray(x_sums, np.float32)} if x_sums is not None else {}
     extra |= {"residual": _bits16(residual)} if residual is not None else {}
-    return cuda_emulation.run(
+    out = cuda_emulation.run(
         source or qm.source(False, variant),
         {"x": _bits16(x), "w": np.array(w), "scales": _bits16(scales), "biases": _bits16(biases)}
         | extra,
-        {"y": (x.shape[0], n_out)},
+        _outputs(variant, x.shape[0], n),
         {"XT": "__nv_bfloat16", "ST": "__nv_bfloat16", "BITS": bits, "GS": group_size,
          "WARPS": warps},
         grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
         header=cuda_emulation.emulated_mma(qm._HEADER_CUDA),
         types={"x": "XT", "scales": "ST", "biases": "ST", "residual": "XT", "norm_w": "XT"},
-    )["y"]  # fmt: skip
+    )  # fmt: skip
+    return out if variant.emits else out["y"]
 
 
 def _bf16_sum(a: np.ndarray, b: mx.array) -> np.ndarray:
@@ -487,3 +500,133 @@ def test_emulated_metal_variants_match_their_arithmetic(swiglu_out):
     # float32 sums against float64: their error is relative to the largest terms
     np.testing.assert_allclose(got[8], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
     assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
+
+
+# The norm in two launches: the residual add that makes h begins the next RMSNorm, the product
+# after it finishes the norm (kernels/quantized_matmul.py, Variant.emits and sums_eps).
+BEGINS = qm.Variant(residual=True, emits=True)
+FINISHES = qm.Variant(sums_eps=1e-6)
+
+
+def _residual_inputs(bits: int, seed: int, n: int = 40, k: int = 512, m: int = 8):
+    """Weights [n, k], x [m, k], a residual [m, n] and a next norm's weight [n], bf16."""
+    w, scales, biases = qm.random_quantized(n, k, 64, bits, mx.bfloat16, seed=seed)
+    x = mx.random.normal((m, k), key=mx.random.key(seed + 1)).astype(mx.bfloat16)
+    r = (mx.random.normal((m, n), key=mx.random.key(seed + 2)) * 4).astype(mx.bfloat16)
+    nw = mx.random.uniform(0.5, 1.5, (n,), key=mx.random.key(seed + 3)).astype(mx.bfloat16)
+    return x, r, nw, (w, scales, biases)
+
+
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_emulated_cuda_residual_add_begins_the_next_norm(bits):
+    """The launch that makes h = residual + product also stores h times the next norm's weight
+    (as MLX multiplies two bf16 arrays) and each 16-row tile's sum of h's squares (40 rows: a
+    partial last tile); h is the residual variant's, bitwise; every output's rows are
+    M-invariant, bitwise."""
+    x, r, nw, weights = _residual_inputs(bits, seed=70 + bits)
+    added = _cuda_qmm(x, *weights, 64, bits, residual=r)
+    got = {m: _cuda_qmm(x[:m], *weights, 64, bits, residual=r[:m], variant=BEGINS, norm_w=nw)
+           for m in (1, 3, 8)}  # fmt: skip
+    h = mx.array(got[8]["y"]).astype(mx.bfloat16)
+    assert np.array_equal(got[8]["y"], added)
+    assert np.array_equal(got[8]["y_w"], np.array((h * nw).astype(mx.float32)))
+    assert got[8]["y_sums"].shape == (8, 3)
+    np.testing.assert_allclose(got[8]["y_sums"], np.array(qm.tile_sums(h)), rtol=1e-5)
+    for m in (1, 3):
+        for name in ("y", "y_w", "y_sums"):
+            assert np.array_equal(got[m][name], got[8][name][:m]), (m, name)
+
+
+@pytest.mark.parametrize("swiglu_out", [False, True], ids=["plain", "swiglu"])
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_emulated_cuda_product_finishes_a_begun_norm(bits, swiglu_out):
+    """Given h times the norm's weight and h's tile sums, the plain loop's outputs scaled by
+    rsqrt(mean + eps) are the in-loop norm variant's arithmetic (float64 reference), up to
+    the order its squares are added in; with swiglu, silu(gate) * up of those; rows
+    M-invariant, bitwise."""
+    h, nw, w, scales, biases = _norm_inputs(bits, seed=80 + bits)
+    scaled, sums = h * nw, np.array(qm.tile_sums(h))
+    variant = qm.Variant(sums_eps=1e-6, swiglu=swiglu_out)
+    got = {m: _cuda_qmm(scaled[:m], w, scales, biases, 64, bits, variant=variant,
+                        x_sums=sums[:m]) for m in (1, 3, 8)}  # fmt: skip
+    want = _normed_reference(h, nw, w, scales, biases, bits)
+    if swiglu_out:
+        want = _silu_times(want[:, :20], want[:, 20:])
+    np.testing.assert_allclose(got[8], want, rtol=2**-6, atol=1e-3)
+    assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
+    in_loop = _cuda_qmm(h, w, scales, biases, 64, bits, norm_w=nw,
+                        variant=qm.Variant(1e-6, swiglu=swiglu_out))  # fmt: skip
+    np.testing.assert_allclose(got[8], in_loop, rtol=2**-6, atol=1e-3)
+
+
+def test_emulated_cuda_norm_in_two_launches_equals_the_norm_in_one():
+    """A residual add that begins the norm, then the product that finishes it, against the
+    same add then the in-loop norm variant: the same values, up to the squares' order."""
+    x, r, nw, weights = _residual_inputs(4, seed=90, n=256, k=256, m=3)
+    begun = _cuda_qmm(x, *weights, 64, 4, residual=r, variant=BEGINS, norm_w=nw)
+    w2, s2, b2 = qm.random_quantized(24, 256, 64, 4, mx.bfloat16, seed=91)
+    scaled = mx.array(begun["y_w"]).astype(mx.bfloat16)
+    got = _cuda_qmm(scaled, w2, s2, b2, 64, 4, variant=FINISHES, x_sums=begun["y_sums"])
+    h = mx.array(begun["y"]).astype(mx.bfloat16)
+    one = _cuda_qmm(h, w2, s2, b2, 64, 4, variant=qm.Variant(1e-6), norm_w=nw)
+    np.testing.assert_allclose(got, one, rtol=2**-7, atol=1e-3)
+    assert np.abs(got).max() > 0.1  # not vacuous
+
+
+BROKEN_NORM_SPLITS = [  # (variant, a mistake spliced into its CUDA source, the output it breaks)
+    (BEGINS, ("off < 32; off <<= 1", "off < 16; off <<= 1"), "y_sums"),  # half a tile's rows
+    (BEGINS, ("static_cast<float>(norm_w[row])", "static_cast<float>(norm_w[0])"), "y_w"),
+    (FINISHES, ("s = s + x_sums[(size_t)m * P + p]", "s = s + x_sums[p]"), "y"),  # row 0's
+    (FINISHES, ("p += 32", "p += 64"), "y"),  # half the partial sums
+]
+
+
+@pytest.mark.parametrize("variant,mistake,output", BROKEN_NORM_SPLITS)
+def test_emulation_catches_a_broken_norm_split(variant, mistake, output):
+    """The two launches' tests can fail: each mistake changes the output it touches."""
+    x, r, nw, (w, scales, biases) = _residual_inputs(4, seed=95, n=40, k=1024, m=3)
+    if variant.emits:
+        kw = {"residual": r, "norm_w": nw}
+    else:  # 1024 features: 64 partial sums, two a lane
+        h = (mx.random.normal((3, 1024), key=mx.random.key(96)) * 3).astype(mx.bfloat16)
+        h = h * (1 + mx.arange(3)[:, None]).astype(mx.bfloat16)  # rows of different scales
+        x, kw = h, {"x_sums": np.array(qm.tile_sums(h))}
+    good = _cuda_qmm(x, w, scales, biases, 64, 4, variant=variant, **kw)
+    text = qm.source(False, variant)
+    assert text.count(mistake[0]) == 1
+    bad = _cuda_qmm(x, w, scales, biases, 64, 4, variant=variant, source=text.replace(*mistake),
+                    **kw)  # fmt: skip
+    if variant.emits:
+        good, bad = good[output], bad[output]
+    assert np.abs(bad - good).max() > 1e-2 * np.abs(good).max()
+
+
+def test_emulated_metal_norm_in_two_launches():
+    """The Metal mirror (float activations): the add that begins the norm stores h (the
+    residual variant's, bitwise), h times the weight and h's tile sums; the product that
+    finishes it matches the norm's float64 arithmetic; rows M-invariant, bitwise."""
+    rng = np.random.default_rng(97)
+    quantized = mx.quantize(mx.array(rng.standard_normal((40, 512), dtype=np.float32)),
+                            group_size=64, bits=4)  # fmt: skip
+    w, scales, biases = (np.array(a) for a in quantized)
+    x = rng.standard_normal((8, 512), dtype=np.float32)
+    r = rng.standard_normal((8, 40), dtype=np.float32) * 4
+    nw = rng.uniform(0.5, 1.5, 40).astype(np.float32)
+    got = {m: _metal_qmm(x[:m], w, scales, biases, 64, 4, residual=r[:m], variant=BEGINS,
+                         norm_w=nw) for m in (1, 3, 8)}  # fmt: skip
+    h = got[8]["y"]
+    assert np.array_equal(h, _metal_qmm(x, w, scales, biases, 64, 4, residual=r))
+    assert np.array_equal(got[8]["y_w"], h * nw)
+    np.testing.assert_allclose(got[8]["y_sums"], np.array(qm.tile_sums(mx.array(h))), rtol=1e-5)
+    for m in (1, 3):
+        for name in ("y", "y_w", "y_sums"):
+            assert np.array_equal(got[m][name], got[8][name][:m]), (m, name)
+    # the product that finishes a norm over 512 features
+    h2 = rng.standard_normal((8, 512), dtype=np.float32) * 3
+    nw2 = rng.uniform(0.5, 1.5, 512).astype(np.float32)
+    sums = np.array(qm.tile_sums(mx.array(h2)))
+    fin = {m: _metal_qmm(h2[:m] * nw2, w, scales, biases, 64, 4, variant=FINISHES,
+                         x_sums=sums[:m]) for m in (1, 3, 8)}  # fmt: skip
+    want = _metal_norm_reference(h2, nw2, w, scales, biases, 4)
+    np.testing.assert_allclose(fin[8], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    assert np.array_equal(fin[1], fin[8][:1]) and np.array_equal(fin[3], fin[8][:3])

@@ -193,13 +193,16 @@ def _stub_variants(native):
     options applied by the reference around ``native``'s product)."""
 
     def run(x, w, s, b, *, group_size, bits, residual=None, norm_weight=None, eps=1e-6,
-            swiglu=False):  # fmt: skip
+            swiglu=False, x_sums=None, next_norm=None):  # fmt: skip
         if norm_weight is not None:
             x = mx.fast.rms_norm(x, norm_weight, eps)
         y = native(x, w, s, b, group_size=group_size, bits=bits)
+        if x_sums is not None:
+            y = qm.finish_norm(y, x_sums, x.shape[-1], eps)
         if swiglu:
             y = qm._swiglu(*mx.split(y, 2, axis=-1))
-        return y if residual is None else residual + y
+        y = y if residual is None else residual + y
+        return y if next_norm is None else (y, y * next_norm, qm.tile_sums(y))
 
     return run
 
@@ -287,6 +290,68 @@ def test_fused_projection_switches_put_norm_and_swiglu_apart(monkeypatch):
         qm.FusedProjection([gate, up, gate], swiglu=True)
 
 
+def _norm_pair(monkeypatch, native=None):
+    """A residual add (40 -> 1024) and a fused projection after its norm (1024 -> 40 + 40),
+    through stand-in native kernels; the calls' options, recorded."""
+    calls = []
+
+    def recorded(x, *a, **kw):
+        calls.append({k for k, v in kw.items() if v is not None and v is not False})
+        return (native or _stub_variants(_reference_rows))(x, *a, **kw)
+
+    _pretend_gpu(monkeypatch, recorded)
+    x, w, s, b = _layer_inputs(n=1024, k=1024)
+    add = _linear(w, s, b)
+    _, w2, s2, b2 = _layer_inputs(n=80, k=1024, seed=3)
+    fused = qm.FusedProjection([_linear(w2[:40], s2[:40], b2[:40]),
+                                _linear(w2[40:], s2[40:], b2[40:])])  # fmt: skip
+    norm = nn.RMSNorm(1024, eps=1e-6)
+    norm.weight = _norm_weight()
+    inputs = (add, x[:3].reshape(1, 3, -1), mx.random.normal((1, 3, 1024)).astype(mx.bfloat16))
+    return calls, inputs, fused, norm
+
+
+def test_a_residual_add_begins_the_norm_that_the_next_projection_finishes(monkeypatch):
+    calls, (add, x, h), fused, norm = _norm_pair(monkeypatch)
+    assert not isinstance(qm.linear_add(add, x, h, then=norm), qm.NormBegun)  # off by default
+    monkeypatch.setattr(qm, "BEGIN_NORMS", True)
+    begun = qm.linear_add(add, x, h, then=norm)
+    assert isinstance(begun, qm.NormBegun) and "next_norm" in calls[-1]  # one launch
+    assert mx.array_equal(begun.h, qm.linear_add(add, x, h)).item()
+    y = fused(begun, norm)
+    assert "x_sums" in calls[-1] and "norm_weight" not in calls[-1]  # finished, not redone
+    # the variant's reference (its precision against the whole norm: test_kernel_emulation.py)
+    want = qm.quantized_matmul_ops(begun.scaled, fused.weight, fused.scales, fused.biases,
+                                   group_size=64, bits=4, x_sums=begun.sums)  # fmt: skip
+    assert y.shape == (1, 3, 80) and mx.array_equal(y, want).item()
+    assert mx.array_equal(begun.scaled, begun.h * norm.weight).item()
+    # another norm's projection normalises h itself; the switch turns the beginning off
+    other = nn.RMSNorm(1024, eps=1e-6)
+    other.weight = other.weight.astype(mx.bfloat16)
+    fused(begun, other)
+    assert "norm_weight" in calls[-1] and "x_sums" not in calls[-1]
+    monkeypatch.setattr(qm, "BEGIN_NORMS", False)
+    assert not isinstance(qm.linear_add(add, x, h, then=norm), qm.NormBegun)
+
+
+def test_a_residual_add_that_begins_a_wrong_norm_is_refused(monkeypatch):
+    """A kernel whose h times the weight is wrong fails its check: the add then returns the
+    plain sum, and the projection normalises it in its own launch."""
+
+    def native(x, *a, next_norm=None, **kw):
+        out = _stub_variants(_reference_rows)(x, *a, next_norm=next_norm, **kw)
+        return out if next_norm is None else (out[0], out[0], out[2])  # forgets the weight
+
+    calls, (add, x, h), fused, norm = _norm_pair(monkeypatch, native)
+    monkeypatch.setattr(qm, "BEGIN_NORMS", True)
+    with pytest.warns(RuntimeWarning, match="quantized_matmul_add_emits kernel disagrees"):
+        out = qm.linear_add(add, x, h, then=norm)
+    assert not isinstance(out, qm.NormBegun)
+    assert mx.array_equal(out, qm.linear_add(add, x, h)).item()
+    fused(out, norm)
+    assert "norm_weight" in calls[-1]
+
+
 LAYOUTS = [(bits, gs, mx.bfloat16) for bits in (4, 8) for gs in (32, 64, 128)]
 LAYOUTS += [(4, 64, mx.float16), (8, 64, mx.float16)]
 
@@ -344,6 +409,42 @@ def test_cuda_norm_and_swiglu_variants_pass_their_checks_and_are_row_invariant(d
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_cuda_norm_split_over_two_launches_is_row_invariant(dtype, bits):
+    """The residual add that begins the next norm (h is the residual variant's, bitwise) and
+    the products that finish it (plain and swiglu, near the whole norm's ops): every row of
+    M = 1..8 bitwise the same, for every output."""
+    for variant in (qm.Variant(residual=True, emits=True), qm.Variant(sums_eps=1e-6),
+                    qm.Variant(swiglu=True, sums_eps=1e-6)):  # fmt: skip
+        assert qm._self_check(dtype, dtype, 64, bits, variant) is None, variant
+    x, w, s, b = _layer_inputs(n=2048, k=1024, bits=bits, dtype=dtype, seed=41)
+    r = (mx.random.normal((8, 2048), key=mx.random.key(42)) * 2).astype(dtype)
+    nw = (_norm_weight(2048) * 0.2).astype(dtype)
+    kw = {"group_size": 64, "bits": bits, "residual": r}
+    h, scaled, sums = qm.quantized_matmul_native(x, w, s, b, next_norm=nw, **kw)
+    assert mx.array_equal(h, qm.quantized_matmul_native(x, w, s, b, **kw)).item()
+    assert mx.array_equal(scaled, h * nw).item() and sums.shape == (8, 128)
+    want_sums = qm.tile_sums(h)
+    assert mx.allclose(sums, want_sums, rtol=1e-5).item()
+    _, w2, s2, b2 = _layer_inputs(n=144, k=2048, bits=bits, dtype=dtype, seed=43)
+    for swiglu in (False, True):
+        fin = {"group_size": 64, "bits": bits, "swiglu": swiglu, "eps": 1e-6}
+        full = qm.quantized_matmul_native(scaled, w2, s2, b2, x_sums=sums, **fin)
+        whole = qm.quantized_matmul_ops(h, w2, s2, b2, group_size=64, bits=bits, norm_weight=nw,
+                                        swiglu=swiglu).astype(mx.float32)  # fmt: skip
+        err = mx.abs(full.astype(mx.float32) - whole).max().item()
+        assert err <= 2e-2 * mx.abs(whole).max().item()
+        for m in range(1, 9):
+            b_m = qm.quantized_matmul_native(x[:m], w, s, b, next_norm=nw, group_size=64,
+                                             bits=bits, residual=r[:m])  # fmt: skip
+            for a, c in zip(b_m, (h, scaled, sums), strict=True):
+                assert mx.array_equal(a, c[:m]).item(), f"M={m}"
+            part = qm.quantized_matmul_native(scaled[:m], w2, s2, b2, x_sums=sums[:m], **fin)
+            assert mx.array_equal(part, full[:m]).item(), f"M={m} swiglu={swiglu}"
+
+
+@cuda
 def test_cuda_kernel_passes_its_self_check_and_the_head_shape_runs():
     for bits in (4, 8):
         assert qm._self_check(mx.bfloat16, mx.bfloat16, 64, bits) is None
@@ -383,3 +484,49 @@ def test_fused_projections_equal_the_separate_ones_and_share_their_weights(ckpts
         assert mx.array_equal(ha, hb).item()
         want = list(generate_classic(plain, prompt, max_tokens=12))
         assert list(generate_classic(fused, prompt, max_tokens=12)) == want
+
+
+def test_the_model_begins_each_norm_in_the_add_before_it_and_stays_exact(monkeypatch):
+    """With our product native (a row-by-row stand-in here), each layer's out-projection add
+    begins the MLP's norm and the MLP's gate/up product finishes it, and each MLP's down add
+    begins the next layer's input norm, which that layer's input projections finish: in
+    decode steps and in MTP's verify blocks alike, and MTP equals classic. A finish that
+    forgets the scaling is refused by its self-check, and the norm runs in the product's loop
+    instead."""
+    from mtpcli.engine.classic import generate_classic
+    from mtpcli.engine.mtp import generate_mtp
+    from mtpcli.example import ensure_example
+    from mtpcli.loading import load_pair
+    from mtpcli.models.qwen3_5 import Qwen35Target
+
+    calls = []
+
+    def native(x, *a, **kw):
+        calls.append({k for k in ("next_norm", "x_sums", "norm_weight", "swiglu") if kw.get(k)
+                      is not None and kw.get(k) is not False})  # fmt: skip
+        return _stub_variants(_reference_rows)(x, *a, **kw)
+
+    _pretend_gpu(monkeypatch, native)
+    monkeypatch.setattr(qm, "BEGIN_NORMS", True)  # off by default (see its comment)
+    # the built-in example: 4-bit, its widths (128, 384) multiples of our product's K step
+    loaded = load_pair(*(str(p) for p in ensure_example()))
+    target = Qwen35Target(loaded.target.model, loaded.target.config, fuse=True)
+    n = len(target.layers)
+    prompt = [(i * 37) % 250 for i in range(40)]
+    want = list(generate_classic(target, prompt, max_tokens=16))
+    # every layer's two adds but the last layer's down, in its eager pass and its trace
+    # (compiled steps call no Python); the inputs of every layer but the first finished
+    assert calls.count({"next_norm"}) >= 2 * (2 * n - 1)
+    assert calls.count({"x_sums", "swiglu"}) >= 2 * n and calls.count({"x_sums"}) >= 2 * (n - 1)
+    assert calls.count({"norm_weight"}) >= 2  # the first layer's input norm, in the loop
+    calls.clear()
+    assert list(generate_mtp(target, loaded.drafter, prompt, block_size=3, max_tokens=16)) == want
+    assert calls.count({"next_norm"}) > 0 and calls.count({"x_sums"}) > 0
+
+    def unscaled(x, *a, x_sums=None, **kw):  # the norm begun, never finished
+        return _stub_variants(_reference_rows)(x, *a, **kw)
+
+    kernels.reset_verdicts()
+    monkeypatch.setattr(qm, "quantized_matmul_native", unscaled)
+    with pytest.warns(RuntimeWarning, match=r"quantized_matmul_sums\w* kernel disagrees"):
+        list(generate_classic(target, prompt, max_tokens=4))

@@ -71,7 +71,7 @@ class Qwen35MTPDrafter:
             post = fns.get(
                 ("post", i), lambda ly=layer: attention_post(ly, residual_mlp(ly.mlp)), compiled
             )
-            h = post(h, o)
+            (h,) = post(h, o)  # the stream: this head's MLP begins no norm
         fns.end(L)
         return m.norm(h)
 

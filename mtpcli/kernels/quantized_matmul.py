@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu as _swiglu
 
-from . import available, backend, built, changed, kernel_name, use_native
+from . import available, backend, built, changed, kernel_name, spell, use_native
 
 MAX_ROWS = 8  # the mma's n dimension
 WARPS = 8  # split-K warps per 16-row tile, reduced in a fixed order
@@ -35,21 +35,48 @@ BITS = (4, 8)
 def quantized_matmul_ops(
     x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None,
     norm_weight: mx.array | None = None, eps: float = 1e-6, swiglu: bool = False,
-) -> mx.array:  # fmt: skip
+    x_sums: mx.array | None = None, next_norm: mx.array | None = None,
+):  # fmt: skip
     """Ops reference: x [..., K] times the dequantized w [N, K] transposed -> [..., N].
 
     Options, as MLX and mlx-lm compute them: ``norm_weight`` [K] RMS-normalises x first
     (``mx.fast.rms_norm`` with ``eps``); ``swiglu`` gives swiglu(first half, second half) of
     the outputs, [..., N/2] (gate and up projections as one weight); ``residual`` is added.
+    A norm in two launches: with ``next_norm`` [N] (and a residual) the result is the tuple
+    (y, y times next_norm, ``tile_sums(y)``), the norm begun; ``x_sums`` [..., K/16] finishes
+    one: x is already times the norm's weight, and the outputs are scaled by
+    rsqrt(sum(x_sums) / K + eps).
     """
     if norm_weight is not None:
         x = mx.fast.rms_norm(x, norm_weight, eps)
     y = mx.quantized_matmul(
         x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits
     )
+    if x_sums is not None:
+        y = finish_norm(y, x_sums, x.shape[-1], eps)
     if swiglu:
         y = _swiglu(*mx.split(y, 2, axis=-1))
-    return y if residual is None else residual + y
+    y = y if residual is None else residual + y
+    return y if next_norm is None else (y, y * next_norm, tile_sums(y))
+
+
+def finish_norm(y: mx.array, x_sums: mx.array, k: int, eps: float) -> mx.array:
+    """The product y [..., N] of a norm begun before, scaled by its rsqrt(mean square + eps),
+    the mean from x's tile sums [..., tiles] over its k features."""
+    inv = mx.rsqrt(x_sums.sum(axis=-1, keepdims=True) / k + eps)
+    return (y.astype(mx.float32) * inv).astype(y.dtype)
+
+
+TILE = 16  # a plain product's output rows a threadgroup
+
+
+def tile_sums(y: mx.array) -> mx.array:
+    """y [..., N] -> each TILE of y's last axis summed in squares, [..., ceil(N / TILE)] float32."""
+    n = y.shape[-1]
+    sq = mx.square(y.astype(mx.float32))
+    if n % TILE:
+        sq = mx.pad(sq, [(0, 0)] * (y.ndim - 1) + [(0, -n % TILE)])
+    return sq.reshape(*y.shape[:-1], -(-n // TILE), TILE).sum(axis=-1)
 
 
 _HEADER_CUDA = """
@@ -390,6 +417,85 @@ _METAL_NORM = {
         SCALE_UP""",
 }
 
+# The norm can also be split across two launches, out of the product's loop: the launch that
+# makes a residual sum h (the layer's previous product, ``Variant.emits``) also stores h times
+# the next RMSNorm's weight (``y_w``, rounded as x is when the norm variant loads it) and, per
+# 16-row tile, each row's sum of h's squares (``y_sums`` [M, tiles]); the next product then
+# runs the plain loop on y_w and scales its outputs by rsqrt(mean + eps), the mean from those
+# partial sums added in a fixed order (``Variant.sums_eps``). A tile's squares: lane (g, t)
+# holds rows g and g + 8 of x rows 2t and 2t + 1, added over g by three shuffles.
+_CUDA_STORE_EMITS = """float sq[2] = {0.0f, 0.0f};  // x rows 2t, 2t + 1: this lane's rows' squares
+      for (int i = 0; i < 4; ++i) {
+        const int row = i < 2 ? r_lo : r_hi;
+        const int m = 2 * t + (i & 1);
+        if (row < N && m < M) {
+          const XT h = static_cast<XT>(QM_RD(acc[i])
+            + static_cast<float>(residual[(size_t)m * N + row]));
+          y[(size_t)m * N + row] = h;
+          y_w[(size_t)m * N + row] =
+              static_cast<XT>(static_cast<float>(h) * static_cast<float>(norm_w[row]));
+          sq[i & 1] = fmaf(static_cast<float>(h), static_cast<float>(h), sq[i & 1]);
+        }
+      }
+      for (int off = 4; off < 32; off <<= 1) {
+        sq[0] = sq[0] + __shfl_xor_sync(0xffffffffu, sq[0], off);
+        sq[1] = sq[1] + __shfl_xor_sync(0xffffffffu, sq[1], off);
+      }
+      const int tiles = (N + 15) / 16;
+      for (int i = 0; i < 2; ++i) {
+        const int m = 2 * t + i;
+        if (g == 0 && m < M) y_sums[(size_t)m * tiles + blockIdx.x] = sq[i];
+      }"""
+# x row m's partial sums, added by warp m (lanes apart, then a fixed tree) while the first
+# stretch's weights are on their way; read back in the store's scaling. (One text for both
+# backends: ``kernels.spell``.)
+_SUMS_INIT = """    SHARED float row_ss[8];
+    for (int m = warp; m < M; m += WARPS) {
+      const int P = x_sums_shape[1];
+      float s = 0.0f;
+      for (int p = lane; p < P; p += 32) s = s + x_sums[(size_t)m * P + p];
+      for (LANE_OFFSET off = 16; off > 0; off >>= 1) s = s + XOR_SHUFFLE(s, off);
+      if (lane == 0) row_ss[m] = s;
+    }
+"""
+_CUDA_SUMS_SCALE = """for (int i = 0; i < 2; ++i) {
+        const float inv = rsqrtf(row_ss[2 * t + i] / K + NORM_EPS);  // rows >= M: unused
+        acc[i] = acc[i] * inv;
+        acc[i + 2] = acc[i + 2] * inv;
+      }"""
+_METAL_STORE_EMITS = """if (warp == 0) {  // all 32 lanes (the shuffles); lane l < 16 stores row l
+      const int l = lane & 15;
+      const int row = threadgroup_position_in_grid.x * 16 + l;
+      const int tiles = (N + 15) / 16;
+      for (int m = 0; m < M; ++m) {
+        float acc = part[l * 8 + m];
+        for (int v = 1; v < WARPS; ++v) acc = acc + part[(v * 16 + l) * 8 + m];
+        float hf = 0.0f;
+        if (row < N) {
+          const XT h = static_cast<XT>(float(XT(acc))
+            + static_cast<float>(residual[(size_t)m * N + row]));
+          hf = float(h);
+          if (lane < 16) {
+            y[(size_t)m * N + row] = h;
+            y_w[(size_t)m * N + row] = static_cast<XT>(hf * static_cast<float>(norm_w[row]));
+          }
+        }
+        // rows l and l + 8 in lane l < 8, then lanes 1, 2, 4 apart: CUDA's order
+        const float h8 = simd_shuffle(hf, ushort((lane + 8) & 31));
+        float sq = fma(h8, h8, fma(hf, hf, 0.0f));
+        for (ushort off = 1; off < 8; off <<= 1) sq = sq + simd_shuffle_xor(sq, off);
+        if (lane == 0) y_sums[(size_t)m * tiles + threadgroup_position_in_grid.x] = sq;
+      }
+    }"""
+_METAL_SUMS_SCALE = """const float inv = rsqrt(row_ss[m] / K + NORM_EPS);
+        acc = acc * inv;
+        SCALE_UP"""
+# Where the sums are added: before the loop (CUDA: after the first stretch is requested).
+_LOOP_STARTS = (  # CUDA, Metal
+    "    if (warp < stretches) fetch(warp);\n",
+    "    for (int st = warp; st < stretches; st += WARPS) {\n",
+)
+
 # The residual variant adds a residual [M, N] (x's dtype) to the rounded product in its store,
 # as MLX's add would (float sum of two x-dtype values, rounded once): a layer's ``h + proj(x)``
 # in one launch instead of two, with the same bits.
@@ -410,16 +516,23 @@ def with_residual(source: str) -> str:
 
 @dataclass(frozen=True)
 class Variant:
-    """What one launch does besides the product: RMS-normalise x first (with this eps),
-    swiglu the two halves of its outputs, add a residual in its store."""
+    """What one launch does besides the product: RMS-normalise x first (with this eps), or
+    finish a norm that the previous launch began (``sums_eps``); swiglu the two halves of its
+    outputs; add a residual in its store, and begin the next norm there (``emits``)."""
 
     norm_eps: float | None = None
     swiglu: bool = False
     residual: bool = False
+    emits: bool = False  # with ``residual``: also the sum times a norm weight, its tile sums
+    sums_eps: float | None = None  # x comes normed but unscaled, with its tile sums (this eps)
+
+    def eps(self) -> float | None:
+        return self.norm_eps if self.norm_eps is not None else self.sums_eps
 
     def suffix(self) -> str:
-        return ("_norm" * (self.norm_eps is not None) + "_swiglu" * self.swiglu
-                + "_add" * self.residual)  # fmt: skip
+        return ("_norm" * (self.norm_eps is not None) + "_sums" * (self.sums_eps is not None)
+                + "_swiglu" * self.swiglu + "_add" * self.residual
+                + "_emits" * self.emits)  # fmt: skip
 
 
 PLAIN = Variant()
@@ -434,22 +547,33 @@ def launch_shape(n: int, swiglu: bool) -> tuple[int, int]:
 
 def source(metal: bool, variant: Variant = PLAIN) -> str:
     """One variant's kernel body for one backend, its splices filled in."""
-    norm = variant.norm_eps is not None
+    norm, sums = variant.norm_eps is not None, variant.sums_eps is not None
+    assert not (norm and sums), "x is normed here or before, not both"
+    assert variant.residual or not variant.emits, "only a residual sum begins a norm"
     if metal:
         text, splices = _METAL_TEMPLATE, _METAL_NORM
         rows, store = ((_METAL_ROWS_SWIGLU, _METAL_STORE_SWIGLU) if variant.swiglu
-                       else (_METAL_ROWS, _METAL_STORE))  # fmt: skip
+                       else (_METAL_ROWS, _METAL_STORE_EMITS if variant.emits
+                             else _METAL_STORE))  # fmt: skip
+        sums_scale, start = _METAL_SUMS_SCALE, _LOOP_STARTS[1]
     else:
         text, splices = _CUDA_TEMPLATE, _CUDA_NORM
         rows, store = ((_CUDA_ROWS_SWIGLU, _CUDA_STORE_SWIGLU) if variant.swiglu
-                       else (_CUDA_ROWS, _CUDA_STORE))  # fmt: skip
+                       else (_CUDA_ROWS, _CUDA_STORE_EMITS if variant.emits
+                             else _CUDA_STORE))  # fmt: skip
+        sums_scale, start = _CUDA_SUMS_SCALE, _LOOP_STARTS[0]
     text = text.replace("ROWS", rows).replace("STORE", store)
+    if sums:
+        assert text.count(start) == 1
+        sums_init = spell(_SUMS_INIT, metal)
+        text = text.replace(start, start + sums_init if not metal else sums_init + start)
+        text = text.replace("NORM_SCALE", sums_scale)
     for token, code in splices.items():
         text = text.replace(token, code if norm else "")
     text = text.replace("SCALE_UP", "up_acc = up_acc * inv;" if variant.swiglu else "")
-    if norm:
-        text = text.replace("NORM_EPS", f"{variant.norm_eps:.9e}f")
-    if variant.residual:
+    if norm or sums:
+        text = text.replace("NORM_EPS", f"{variant.eps():.9e}f")
+    if variant.residual and not variant.emits:
         assert not variant.swiglu, "a swiglu output has no residual"
         text = with_residual(text)
     return text
@@ -464,9 +588,10 @@ def _spec(metal: bool, header: str, variant: Variant = PLAIN) -> dict:
     return {
         "name": kernel_name("mtp_qmm" + variant.suffix(), text, header),
         "input_names": ["x", "w", "scales", "biases"]
-        + ["norm_w"] * (variant.norm_eps is not None)
+        + ["norm_w"] * (variant.norm_eps is not None or variant.emits)
+        + ["x_sums"] * (variant.sums_eps is not None)
         + ["residual"] * variant.residual,
-        "output_names": ["y"],
+        "output_names": ["y"] + ["y_w", "y_sums"] * variant.emits,
         "source": text,
         "header": header,
     }
@@ -512,22 +637,31 @@ def _kernel(variant: Variant, warps: int = WARPS, min_blocks: int | None = None)
                  lambda: _build_metal(variant))  # fmt: skip
 
 
+def _variant(norm_weight, eps: float, swiglu: bool, residual, x_sums, next_norm) -> Variant:
+    return Variant(eps if norm_weight is not None else None, swiglu, residual is not None,
+                   next_norm is not None, eps if x_sums is not None else None)  # fmt: skip
+
+
 def quantized_matmul_native(
     x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None,
     norm_weight: mx.array | None = None, eps: float = 1e-6, swiglu: bool = False,
+    x_sums: mx.array | None = None, next_norm: mx.array | None = None,
     warps: int = WARPS, min_blocks: int | None = None,
 ):  # fmt: skip
-    """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype (see ``quantized_matmul_ops``
-    for the options; ``norm_weight`` and ``residual`` in x's dtype); None where there is none.
-    ``warps`` and ``min_blocks`` (launch bounds, CUDA) are for benchmarks (bench_qmm.py)."""
-    variant = Variant(eps if norm_weight is not None else None, swiglu, residual is not None)
+    """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype, or with ``next_norm`` the
+    tuple of ``quantized_matmul_ops`` (see there for the options; ``norm_weight``,
+    ``next_norm`` and ``residual`` in x's dtype, ``x_sums`` [M, K/16] float32); None where
+    there is none. ``warps`` and ``min_blocks`` (launch bounds, CUDA) are for benchmarks."""
+    variant = _variant(norm_weight, eps, swiglu, residual, x_sums, next_norm)
     kernel = _kernel(variant, warps, min_blocks)
     if kernel is None:
         return None
     M, N = x.shape[0], w.shape[0]
     n_out, groups = launch_shape(N, swiglu)
-    extra = [a for a in (norm_weight, residual) if a is not None]
-    return kernel(
+    nw = norm_weight if norm_weight is not None else next_norm
+    extra = [a for a in (nw, x_sums, residual) if a is not None]
+    emits = next_norm is not None
+    out = kernel(
         inputs=[x, w, scales, biases, *extra],
         template=[
             ("XT", x.dtype),
@@ -538,9 +672,10 @@ def quantized_matmul_native(
         ],  # fmt: skip
         grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(M, n_out)],
-        output_dtypes=[x.dtype],
-    )[0]
+        output_shapes=[(M, n_out)] + [(M, N), (M, groups)] * emits,
+        output_dtypes=[x.dtype] + [x.dtype, mx.float32] * emits,
+    )
+    return tuple(out) if emits else out[0]
 
 
 def random_quantized(n: int, k: int, group_size: int, bits: int, dtype, seed: int):
@@ -562,14 +697,22 @@ def _self_check(dtype, sdtype, group_size: int, bits: int, variant: Variant = PL
     w, scales, biases = random_quantized(n, k, group_size, bits, sdtype, seed=7)
     x = (mx.random.normal((8, k), key=mx.random.key(8)) * 3).astype(dtype)
     opts: dict = {"group_size": group_size, "bits": bits, "swiglu": variant.swiglu}
+    # small enough that float16 holds swiglu of 8-bit products (their weights are large)
+    nw = mx.random.uniform(0.1, 0.3, (k,), key=mx.random.key(10)).astype(dtype)
+    sums = None
     if variant.norm_eps is not None:
-        opts["eps"] = variant.norm_eps
-        # small enough that float16 holds swiglu of 8-bit products (their weights are large)
-        nw = mx.random.uniform(0.1, 0.3, (k,), key=mx.random.key(10))
-        opts["norm_weight"] = nw.astype(dtype)
+        opts |= {"eps": variant.norm_eps, "norm_weight": nw}
+    if variant.sums_eps is not None:  # x as a norm begun before: times the weight, its sums
+        x, sums, opts = x * nw, tile_sums(x), opts | {"eps": variant.sums_eps}
     n_out = n // 2 if variant.swiglu else n
     r = mx.random.normal((8, n_out), key=mx.random.key(9)).astype(dtype)
-    rows = (lambda m: {"residual": r[:m]}) if variant.residual else (lambda m: {})
+    next_w = mx.random.uniform(0.5, 1.5, (n,), key=mx.random.key(11)).astype(dtype)
+
+    def rows(m: int) -> dict:
+        return ({"residual": r[:m]} if variant.residual else {}) | (
+            {"x_sums": sums[:m]} if sums is not None else {}
+        ) | ({"next_norm": next_w} if variant.emits else {})  # fmt: skip
+
     try:
         got = {m: quantized_matmul_native(x[:m], w, scales, biases, **opts, **rows(m))
                for m in (1, 3, 8)}  # fmt: skip
@@ -577,13 +720,17 @@ def _self_check(dtype, sdtype, group_size: int, bits: int, variant: Variant = PL
         mx.eval(got, want)
     except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
         return f"{type(e).__name__}: {e}"
-    a, b = got[8].astype(mx.float32), want.astype(mx.float32)
-    err = mx.abs(a - b).max().item()
-    if not err <= 2e-2 * mx.abs(b).max().item():
-        return f"differs from the reference by up to {err:.3g}"
+    parts = lambda y: y if isinstance(y, tuple) else (y,)  # noqa: E731 - (y, y_w, y_sums)
+    names = ("outputs", "outputs times the next norm", "tile sums")[: len(parts(want))]
+    for name, a, b in zip(names, parts(got[8]), parts(want), strict=True):
+        a, b = a.astype(mx.float32), b.astype(mx.float32)
+        err = mx.abs(a - b).max().item()
+        if not err <= 2e-2 * mx.abs(b).max().item():
+            return f"{name} differ from the reference by up to {err:.3g}"
     for m in (1, 3):
-        if not mx.array_equal(got[m], got[8][:m]).item():
-            return f"rows of an {m}-row product differ from the same rows of an 8-row product"
+        for a, b in zip(parts(got[m]), parts(got[8]), strict=True):
+            if not mx.array_equal(a, b[:m]).item():
+                return f"rows of an {m}-row product differ from the same rows of an 8-row product"
     return None
 
 
@@ -599,66 +746,116 @@ def supported(x: mx.array, w: mx.array, group_size: int, bits: int) -> bool:
     )
 
 
-def quantized_matmul(
+def _native(
     x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None,
     norm_weight: mx.array | None = None, eps: float = 1e-6, swiglu: bool = False,
-) -> mx.array:  # fmt: skip
-    """``quantized_matmul_ops`` (same options) on the best trusted path: one native launch
-    where the variant runs natively here, else the options as their own ops around the
-    product, which may still run natively."""
-    rows, n = math.prod(x.shape[:-1]), w.shape[0]
-    variant = Variant(eps if norm_weight is not None else None, swiglu, residual is not None)
+    x_sums: mx.array | None = None, next_norm: mx.array | None = None,
+):  # fmt: skip
+    """The product as one trusted native launch (x [..., K], the options' arrays shaped as x's
+    rows), or None where the variant does not run natively here."""
+    rows, n, k = math.prod(x.shape[:-1]), w.shape[0], x.shape[-1]
+    variant = _variant(norm_weight, eps, swiglu, residual, x_sums, next_norm)
     n_out = n // 2 if swiglu else n
-    if (
+
+    def fits(a, shape, dtype) -> bool:
+        return a is None or (a.shape == shape and a.dtype == dtype)
+
+    if not (
         backend() != "cpu"
         and 1 <= rows <= MAX_ROWS
         and biases is not None
         and supported(x, w, group_size, bits)
         and (not swiglu or (n % 2 == 0 and residual is None))
-        and (
-            residual is None
-            or (residual.shape == (*x.shape[:-1], n_out) and residual.dtype == x.dtype)
-        )  # fmt: skip
-        and (
-            norm_weight is None
-            or (norm_weight.shape == (x.shape[-1],) and norm_weight.dtype == x.dtype)
-        )  # fmt: skip
+        and fits(residual, (*x.shape[:-1], n_out), x.dtype)
+        and fits(norm_weight, (k,), x.dtype)
+        and fits(next_norm, (n,), x.dtype)
+        and fits(x_sums, (*x.shape[:-1], -(-k // TILE)), mx.float32)
         and use_native(
             "quantized_matmul" + variant.suffix(),
-            (backend(), str(x.dtype), str(scales.dtype), group_size, bits, variant.norm_eps),
+            (backend(), str(x.dtype), str(scales.dtype), group_size, bits, variant.eps()),
             lambda: _self_check(x.dtype, scales.dtype, group_size, bits, variant),
-        )
-    ):
-        extra = {"residual": residual.reshape(rows, n_out)} if residual is not None else {}
-        out = quantized_matmul_native(
-            x.reshape(rows, x.shape[-1]), w, scales, biases, group_size=group_size, bits=bits,
-            norm_weight=norm_weight, eps=eps, swiglu=swiglu, **extra,
         )  # fmt: skip
-        if out is not None:
-            return out.reshape(*x.shape[:-1], n_out)
-    if variant == PLAIN:
+    ):
+        return None
+    flat = {name: a.reshape(rows, a.shape[-1]) for name, a in
+            (("residual", residual), ("x_sums", x_sums)) if a is not None}  # fmt: skip
+    out = quantized_matmul_native(
+        x.reshape(rows, k), w, scales, biases, group_size=group_size, bits=bits,
+        norm_weight=norm_weight, eps=eps, swiglu=swiglu, next_norm=next_norm, **flat,
+    )  # fmt: skip
+    if out is None:
+        return None
+    lead = x.shape[:-1]
+    if next_norm is None:
+        return out.reshape(*lead, n_out)
+    return tuple(a.reshape(*lead, a.shape[-1]) for a in out)
+
+
+def quantized_matmul(
+    x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None,
+    norm_weight: mx.array | None = None, eps: float = 1e-6, swiglu: bool = False,
+    x_sums: mx.array | None = None,
+) -> mx.array:  # fmt: skip
+    """``quantized_matmul_ops`` (same options, but for ``next_norm``: see ``linear_add``) on
+    the best trusted path: one native launch where the variant runs natively here, else the
+    options as their own ops around the product, which may still run natively."""
+    opts = {"norm_weight": norm_weight, "eps": eps, "swiglu": swiglu, "x_sums": x_sums}
+    out = _native(x, w, scales, biases, group_size=group_size, bits=bits, residual=residual,
+                  **opts)  # fmt: skip
+    if out is not None:
+        return out
+    if _variant(norm_weight, eps, swiglu, residual, x_sums, None) == PLAIN:
         return quantized_matmul_ops(x, w, scales, biases, group_size=group_size, bits=bits)
     if norm_weight is not None:
         x = mx.fast.rms_norm(x, norm_weight, eps)
     y = quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+    if x_sums is not None:
+        y = finish_norm(y, x_sums, x.shape[-1], eps)
     if swiglu:
         y = _swiglu(*mx.split(y, 2, axis=-1))
     return y if residual is None else residual + y
 
 
-# Whether ``linear_add`` lets our product add the residual (benchmarks turn it off to compare).
+# Whether ``linear_add`` lets our product add the residual (benchmarks turn it off to compare),
+# and begin the norm that follows. The latter is off: on the H200 it took 0.85 ms of GPU time
+# off a 27B decode step (8.51 -> 7.66 ms), yet decode ran slower where the host set the pace
+# (docs/benchmark_results/README.md, session 14); bench_verify's ``ours_norm_begun`` arm.
 FUSE_RESIDUAL = True
+BEGIN_NORMS = False
 
 
-def linear_add(layer: nn.Module, x: mx.array, residual: mx.array) -> mx.array:
+@dataclass(frozen=True)
+class NormBegun:
+    """A residual sum whose next RMSNorm the launch that made it has begun (``Variant.emits``):
+    ``h`` [..., N], ``scaled`` h times ``norm``'s weight, ``sums`` h's tile sums of squares
+    [..., N/16] float32. A ``FusedProjection`` called with that norm finishes it."""
+
+    h: mx.array
+    scaled: mx.array
+    sums: mx.array
+    norm: nn.Module
+
+
+def linear_add(
+    layer: nn.Module, x: mx.array, residual: mx.array, then: nn.Module | None = None
+) -> mx.array | NormBegun:
     """``residual + layer(x)``: one launch where ``layer`` runs through our product, which adds
-    the residual in its store with MLX's rounding; otherwise the two ops."""
-    if FUSE_RESIDUAL and type(layer) is KernelQuantizedLinear and "bias" not in layer:
-        return quantized_matmul(
-            x, layer["weight"], layer["scales"], layer.get("biases"),
-            group_size=layer.group_size, bits=layer.bits, residual=residual,
-        )  # fmt: skip
-    return residual + layer(x)
+    the residual in its store with MLX's rounding; otherwise the two ops. With ``then`` (the
+    RMSNorm that the sum feeds) the launch also begins that norm, where it can: a NormBegun."""
+    if not (FUSE_RESIDUAL and type(layer) is KernelQuantizedLinear and "bias" not in layer):
+        return residual + layer(x)
+    opts = {"group_size": layer.group_size, "bits": layer.bits, "residual": residual}
+    parts = (layer["weight"], layer["scales"], layer.get("biases"))
+    if then is not None and BEGIN_NORMS and isinstance(then, nn.RMSNorm):
+        out = _native(x, *parts, next_norm=then.weight, **opts)
+        if out is not None:
+            return NormBegun(*out, then)
+    return quantized_matmul(x, *parts, **opts)
+
+
+def residual_of(h: mx.array | NormBegun) -> mx.array:
+    """The residual sum itself, whether or not its next norm was begun."""
+    return h.h if isinstance(h, NormBegun) else h
 
 
 class KernelQuantizedLinear(nn.QuantizedLinear):
@@ -731,16 +928,23 @@ class FusedProjection(nn.Module):
             for m in linears
         )  # fmt: skip
 
-    def __call__(self, x: mx.array, norm: nn.RMSNorm | None = None) -> mx.array:
-        """x [..., K] (normed by ``norm`` first, if given) -> the siblings' outputs side by
-        side, [..., sum(N)] (see ``split``); with ``swiglu``, swiglu(gate, up) [..., N/2]."""
+    def __call__(self, x: mx.array | NormBegun, norm: nn.RMSNorm | None = None) -> mx.array:
+        """x [..., K] (normed by ``norm`` first, if given; a NormBegun of that norm finishes
+        it) -> the siblings' outputs side by side, [..., sum(N)] (see ``split``); with
+        ``swiglu``, swiglu(gate, up) [..., N/2]."""
+        opts: dict = {}
         if norm is not None and not FUSE_NORM:
-            x, norm = norm(x), None
+            x, norm = norm(residual_of(x)), None
+        elif isinstance(x, NormBegun) and x.norm is norm:
+            x, opts = x.scaled, {"x_sums": x.sums, "eps": norm.eps}
+        else:
+            x = residual_of(x)
+            if norm is not None:
+                opts = {"norm_weight": norm.weight, "eps": norm.eps}
         fold = self.swiglu and FUSE_SWIGLU
         y = quantized_matmul(
             x, self["weight"], self["scales"], self["biases"],
-            group_size=self.group_size, bits=self.bits, swiglu=fold,
-            **({} if norm is None else {"norm_weight": norm.weight, "eps": norm.eps}),
+            group_size=self.group_size, bits=self.bits, swiglu=fold, **opts,
         )  # fmt: skip
         return _swiglu(*self.split(y)) if self.swiglu and not fold else y
 

@@ -27,7 +27,7 @@ from ..kernels.conv_window import conv_silu
 from ..kernels.decode_attention import MAX_T, Rope, decode_attention
 from ..kernels.gated_delta import gated_delta_raw
 from ..kernels.gated_norm import gated_norm
-from ..kernels.quantized_matmul import FusedProjection
+from ..kernels.quantized_matmul import FusedProjection, NormBegun, residual_of
 from ..weights import load_arrays, load_module_weights
 
 PREFILL_CHUNK = 2048
@@ -122,14 +122,16 @@ def _equal(a, b) -> bool:
     return bool(mx.array_equal(a, b).item())
 
 
-def _gated_delta(m: qwen3_5.GatedDeltaNet, h, norm, conv_state, state, keep: bool, fused=None):
-    """h [B, S, H] plus the gated-delta mixer of norm(h), pure: returns (out [B, S, H],
-    conv_input [B, K-1+S, C], new conv window, state, states if ``keep``)."""
-    B, S, _ = h.shape
+def _gated_delta(m: qwen3_5.GatedDeltaNet, h, norm, conv_state, state, keep: bool, fused=None,
+                 then=None):  # fmt: skip
+    """h [B, S, H] (or a ``NormBegun`` of ``norm``) plus the gated-delta mixer of norm(h),
+    pure: returns (out [B, S, H], conv_input [B, K-1+S, C], new conv window, state, states if
+    ``keep``); with ``then``, the norm after it, out may come as a ``NormBegun`` of that."""
+    B, S, _ = residual_of(h).shape
     if fused is not None:  # the norm and the four input projections in one product
         qkv, z, b, a = fused.split(fused(h, norm))
     else:
-        x = norm(h)
+        x = norm(residual_of(h))
         qkv, z = m.in_proj_qkv(x), m.in_proj_z(x)  # [B, S, C], [B, S, Hv * Dv]
         b, a = m.in_proj_b(x), m.in_proj_a(x)  # [B, S, Hv]
     z = z.reshape(B, S, m.num_v_heads, m.head_v_dim)
@@ -146,18 +148,19 @@ def _gated_delta(m: qwen3_5.GatedDeltaNet, h, norm, conv_state, state, keep: boo
     # mlx-lm's gated norm (m.norm), then the out projection and the residual: a launch each
     # where our kernels run
     normed = gated_norm(y, z, m.norm.weight, m.norm.eps)  # [B, S, Hv, Dv]
-    out = quantized_matmul.linear_add(m.out_proj, normed.reshape(B, S, -1), h)
+    out = quantized_matmul.linear_add(m.out_proj, normed.reshape(B, S, -1), residual_of(h), then)
     return (out, conv_input, window, state) + ((states,) if keep else ())
 
 
 def _attention_pre(m, h, norm, fused=None):
-    """h [B, T, H] -> queries [B, T, Hq, D], keys, values [B, T, Hkv, D], gate [B, T, Hq, D] of
-    norm(h): mlx-lm's attention projections, before the q/k norms (``attention_core``'s)."""
-    B, L, _ = h.shape
+    """h [B, T, H] (or a ``NormBegun`` of ``norm``) -> queries [B, T, Hq, D], keys, values
+    [B, T, Hkv, D], gate [B, T, Hq, D] of norm(h): mlx-lm's attention projections, before the
+    q/k norms (``attention_core``'s)."""
+    B, L, _ = residual_of(h).shape
     if fused is not None:  # the norm and the three projections in one product
         qg, k, v = fused.split(fused(h, norm))
     else:
-        x = norm(h)
+        x = norm(residual_of(h))
         qg, k, v = m.q_proj(x), m.k_proj(x), m.v_proj(x)  # [B, L, 2 Hq D], [B, L, Hkv D] x 2
     q, gate = mx.split(qg.reshape(B, L, m.num_attention_heads, -1), 2, axis=-1)
     k = k.reshape(B, L, m.num_key_value_heads, -1)
@@ -229,31 +232,52 @@ class LayerFunctions:
         return [key for key, compiled in self._fns if compiled]
 
 
+def stream(h: mx.array | NormBegun) -> tuple[mx.array, ...]:
+    """The residual stream between layer functions as arrays: (h,), or where the launch that
+    made h began the next layer's input norm, (h, h times its weight, h's tile sums)."""
+    return (h.h, h.scaled, h.sums) if isinstance(h, NormBegun) else (h,)
+
+
+def _resumed(hs: tuple[mx.array, ...], norm: nn.Module) -> mx.array | NormBegun:
+    """``stream``'s inverse, for the layer whose input norm is ``norm``."""
+    return NormBegun(*hs, norm) if len(hs) == 3 else hs[0]
+
+
 def attention_pre(layer: nn.Module, fused: FusedProjection | None = None) -> Callable:
-    """h [B, T, H] -> queries, keys, values, gate of a full-attention decoder layer."""
-    return lambda h: _attention_pre(layer.self_attn, h, layer.input_layernorm, fused)
+    """The stream (see ``stream``) -> queries, keys, values, gate of a full-attention layer."""
+    norm = layer.input_layernorm
+    return lambda *hs: _attention_pre(layer.self_attn, _resumed(hs, norm), norm, fused)
 
 
-def attention_post(layer: nn.Module, mlp_add: Callable) -> Callable:
-    """(h, gated attention output) -> the layer's output: o_proj, residual, MLP block
-    (``mlp_add(h, norm)`` is h + the MLP of norm(h))."""
+def attention_post(layer: nn.Module, mlp_add: Callable, begin: bool = False,
+                   then: nn.Module | None = None) -> Callable:  # fmt: skip
+    """(h, gated attention output) -> the layer's output stream: o_proj, residual, MLP block
+    (``mlp_add(h, norm, then)`` is h + the MLP of norm(h)). ``begin``: the o_proj launch may
+    begin that norm, which ``mlp_add`` then finishes; ``then``: the next layer's input norm,
+    which the MLP's last launch may begin."""
+    norm = layer.post_attention_layernorm
 
     def post(h, o):
-        h = quantized_matmul.linear_add(layer.self_attn.o_proj, o, h)
-        return mlp_add(h, layer.post_attention_layernorm)
+        h = quantized_matmul.linear_add(layer.self_attn.o_proj, o, h, norm if begin else None)
+        return stream(mlp_add(h, norm, then))
 
     return post
 
 
-def residual_mlp(mlp: nn.Module) -> Callable[[mx.array, nn.Module], mx.array]:
-    """(h, norm) -> h + mlp(norm(h)), for an MLP module as mlx-lm has it."""
-    return lambda h, norm: h + mlp(norm(h))
+def residual_mlp(mlp: nn.Module) -> Callable:
+    """(h, norm, then) -> h + mlp(norm(h)), for an MLP module as mlx-lm has it (it begins no
+    norm: ``then`` is never given to it)."""
+    return lambda h, norm, then=None: h + mlp(norm(h))
 
 
-def _mlp(fused: FusedProjection, down: nn.Module) -> Callable[[mx.array, nn.Module], mx.array]:
-    """(h, norm) -> h + mlx-lm's dense MLP of norm(h): the norm, gate and up and their swiglu
-    in one product, then the down projection's product adding the residual."""
-    return lambda h, norm: quantized_matmul.linear_add(down, fused(h, norm), h)
+def _mlp(fused: FusedProjection, down: nn.Module) -> Callable:
+    """(h, norm, then) -> h + mlx-lm's dense MLP of norm(h): the norm, gate and up and their
+    swiglu in one product (h may come as a ``NormBegun`` of norm, which that product
+    finishes), then the down projection's product adding the residual, which may begin the
+    norm ``then``."""
+    return lambda h, norm, then=None: quantized_matmul.linear_add(
+        down, fused(h, norm), residual_of(h), then
+    )
 
 
 class Qwen35Target:
@@ -338,24 +362,34 @@ class Qwen35Target:
         """Layer ``i``'s ``kind`` part ("linear", "pre" or "post") as a pure function."""
         layer = self.layers[i]
         mlp_add = self.fused_mlp.get(i) or residual_mlp(layer.mlp)
+        # Only our fused products finish a norm begun before them: the MLP's gate/up within
+        # the layer, the next layer's input projections across (whose MLP down add begins it).
+        begin = i in self.fused_mlp
+        last = i + 1 == len(self.layers)
+        then = None if last or not begin or i + 1 not in self.fused_in else (
+            self.layers[i + 1].input_layernorm)  # fmt: skip
 
         def make() -> Callable:
             if kind == "pre":
                 return attention_pre(layer, self.fused_in.get(i))
             if kind == "post":
-                return attention_post(layer, mlp_add)
-            fused = self.fused_in.get(i)
+                return attention_post(layer, mlp_add, begin, then)
+            fused, norm = self.fused_in.get(i), layer.input_layernorm
+            mid = layer.post_attention_layernorm
 
-            def linear(h, conv_state, state):
-                h, *rest = _gated_delta(layer.linear_attn, h, layer.input_layernorm, conv_state,
-                                        state, keep, fused)  # fmt: skip
-                return (mlp_add(h, layer.post_attention_layernorm), *rest)
+            def linear(hs, conv_state, state):
+                h, *rest = _gated_delta(layer.linear_attn, _resumed(hs, norm), norm, conv_state,
+                                        state, keep, fused, mid if begin else None)  # fmt: skip
+                return (stream(mlp_add(h, mid, then)), *rest)
 
             return linear
 
         return self.functions.get((kind, i, keep), make, compiled and not self.routed_on_gpu[i])
 
-    def _linear_layer(self, i: int, h, cache, verify: bool, compiled: bool):
+    def _linear_layer(self, i: int, hs: tuple, cache, verify: bool, compiled: bool):
+        """A gated-delta layer over the stream ``hs`` (see ``stream``): its output stream and,
+        in a verify, its trace."""
+        h = hs[0]  # [B, T, H]
         m, T = self.layers[i].linear_attn, h.shape[1]
         conv_state, state = cache[0], cache[1]
         if conv_state is None:
@@ -364,35 +398,36 @@ class Qwen35Target:
             state = mx.zeros((h.shape[0], m.num_v_heads, m.head_v_dim, m.head_k_dim), mx.float32)
         step = self._fn("linear", i, False, compiled)  # what a decode step runs
         if not verify:
-            h, _, cache[0], cache[1] = step(h, conv_state, state)
-            return h, None
+            hs, _, cache[0], cache[1] = step(hs, conv_state, state)
+            return hs, None
 
         def single():  # position by position, exactly as decode steps
-            hs, window, s, states, rows = [], conv_state, state, [], [conv_state]
+            outs, window, s, states, rows = [], conv_state, state, [], [conv_state]
             for t in range(T):
-                ht, conv_input, window, s = step(h[:, t : t + 1], window, s)
-                hs.append(ht)
+                ht, conv_input, window, s = step(tuple(x[:, t : t + 1] for x in hs), window, s)
+                outs.append(ht)
                 rows.append(conv_input[:, -1:])
                 states.append(s)
-            return (mx.concatenate(hs, 1), mx.concatenate(rows, 1), window, s,
-                    mx.stack(states[:-1]))  # fmt: skip
+            return (tuple(mx.concatenate(p, 1) for p in zip(*outs, strict=True)),
+                    mx.concatenate(rows, 1), window, s, mx.stack(states[:-1]))  # fmt: skip
 
         batched = self._fn("linear", i, True, compiled)
         key = (self.policy.signature(self.layers[i]), T, str(h.dtype))
         if T == 1:
-            out = batched(h, conv_state, state)
+            out = batched(hs, conv_state, state)
         else:
-            out = self.policy.choose(key, lambda: batched(h, conv_state, state), single,
+            out = self.policy.choose(key, lambda: batched(hs, conv_state, state), single,
                                      probe=not self.unprobed[i])  # fmt: skip
-        h, conv_input, cache[0], cache[1], states = out
-        return h, GatedDeltaTrace(conv_input, states)
+        hs, conv_input, cache[0], cache[1], states = out
+        return hs, GatedDeltaTrace(conv_input, states)
 
-    def _attention_layer(self, i: int, h, mask, cache, verify: bool, compiled: bool):
-        layer, T = self.layers[i], h.shape[1]
-        m, policy = layer.self_attn, self.policy
+    def _attention_layer(self, i: int, hs: tuple, mask, cache, verify: bool, compiled: bool):
+        """A full-attention layer over the stream ``hs``: its output stream."""
+        layer, h = self.layers[i], hs[0]
+        m, policy, T = layer.self_attn, self.policy, h.shape[1]
         sig = policy.signature(layer)
         pre, post = self._fn("pre", i, compiled=compiled), self._fn("post", i, compiled=compiled)
-        q, k, v, gate = policy.rows(pre, (h,), verify, (sig, "pre"), not self.unprobed[i])
+        q, k, v, gate = policy.rows(pre, hs, verify, (sig, "pre"), not self.unprobed[i])
         if (not verify or T == 1 or mx.default_device() == mx.cpu
                 or rows_rope(m, cache, T) is not None):  # fmt: skip
             # MLX's CPU attention is row-invariant by construction (masked keys add exact zeros),
@@ -420,14 +455,15 @@ class Qwen35Target:
         kv = next((c for c, ly in zip(cache, self.layers, strict=True) if not ly.is_linear), None)
         mask = create_attention_mask(h, kv)  # unused where attention goes position by position
         traces: list[GatedDeltaTrace | None] = []
+        hs = (h,)  # the residual stream (see ``stream``)
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             if layer.is_linear:
-                h, trace = self._linear_layer(i, h, c, verify, compiled)
+                hs, trace = self._linear_layer(i, hs, c, verify, compiled)
             else:
-                h, trace = self._attention_layer(i, h, mask, c, verify, compiled), None
+                hs, trace = self._attention_layer(i, hs, mask, c, verify, compiled), None
             traces.append(trace)
         self.functions.end(T)
-        return ForwardOut(self.text.model.norm(h), traces if verify else None)
+        return ForwardOut(self.text.model.norm(hs[0]), traces if verify else None)
 
     def prefill(self, tokens: mx.array, cache: list) -> mx.array:
         """Process a prompt [B, L] in chunks; returns the final-normed hidden states [B, L, H]."""
