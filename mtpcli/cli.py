@@ -410,10 +410,12 @@ def bench(
         err.print(f"wrote {out}/bench-{stamp}.md and .json")
     if as_json:
         sys.stdout.write(json.dumps(doc) + "\n")
-    else:
+    elif sys.stdout.isatty():
         from rich.markdown import Markdown
 
         Console().print(Markdown(markdown))
+    else:  # to a file or a pipe: the report itself (Rich would cut its tables at 80 columns)
+        sys.stdout.write(markdown)
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -187,3 +188,15 @@ def test_no_timed_run_starts_on_dropped_traces(capsys, monkeypatch):
             "--qmm", "ours", "--repeats", "2", "-n", "6", "--json"]  # fmt: skip
     assert run(args) == 0
     assert cold == []
+
+
+def test_the_report_to_a_pipe_keeps_its_tables_whole(capsys):
+    """Not to a terminal (a file, a pipe, the device tool's log), the report is its Markdown:
+    every arm's row has its median and min-max, not Rich's 80-column cut."""
+    capsys.readouterr()
+    assert run(["bench", "--repeats", "1", "-n", "8", "--no-verify-table"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| classic") or
+            line.startswith("| mtp block")]  # fmt: skip
+    assert len(rows) == 2 and "…" not in out
+    assert all(re.search(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", row) for row in rows)
