@@ -229,6 +229,25 @@ def test_norm_and_swiglu_ride_in_one_launch(monkeypatch):
     assert y.shape == (3, 20) and mx.array_equal(y, want).item()
 
 
+def test_a_variant_with_outputs_of_the_wrong_shape_or_number_is_refused(monkeypatch):
+    """A swiglu variant that returns both halves, or an add that begins no norm: refused with a
+    warning (not an exception), and the options run around the plain product."""
+
+    def native(x, *a, swiglu=False, next_norm=None, **kw):  # ignores swiglu and next_norm
+        return _stub_variants(_reference_rows)(x, *a, **kw)
+
+    _pretend_gpu(monkeypatch, native)
+    x, w, s, b = _layer_inputs()
+    with pytest.warns(RuntimeWarning, match="have the shape"):
+        y = qm.quantized_matmul(x[:2], w, s, b, group_size=64, bits=4, swiglu=True)
+    assert y.shape == (2, 20)
+    h = mx.ones((2, 40), mx.bfloat16)
+    next_w = mx.ones((40,), mx.bfloat16)
+    with pytest.warns(RuntimeWarning, match="gives 1 outputs, not 3"):
+        out = qm._native(x[:2], w, s, b, group_size=64, bits=4, residual=h, next_norm=next_w)
+    assert out is None
+
+
 def test_a_variant_that_fails_its_check_runs_as_separate_ops_around_the_product(monkeypatch):
     """A norm variant that ignores the norm is refused; the norm then runs as MLX's op before
     the plain product, which still runs natively (its own check passed)."""

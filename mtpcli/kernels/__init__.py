@@ -178,7 +178,10 @@ def use_native(name: str, key: tuple, check: Callable[[], str | None]) -> bool:
         return True
     verdicts = _state["verdicts"]
     if (name, key) not in verdicts:
-        problem = check()
+        try:
+            problem = check()
+        except Exception as e:  # noqa: BLE001 - e.g. outputs of the wrong shape: not trusted
+            problem = f"its check failed: {type(e).__name__}: {e}"
         if problem:
             warnings.warn(
                 f"{name} kernel disagrees with the ops reference for {key} ({problem}); "

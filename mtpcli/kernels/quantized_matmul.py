@@ -722,7 +722,12 @@ def _self_check(dtype, sdtype, group_size: int, bits: int, variant: Variant = PL
         return f"{type(e).__name__}: {e}"
     parts = lambda y: y if isinstance(y, tuple) else (y,)  # noqa: E731 - (y, y_w, y_sums)
     names = ("outputs", "outputs times the next norm", "tile sums")[: len(parts(want))]
+    for m in (1, 3, 8):
+        if len(parts(got[m])) != len(names):
+            return f"gives {len(parts(got[m]))} outputs, not {len(names)}"
     for name, a, b in zip(names, parts(got[8]), parts(want), strict=True):
+        if a.shape != b.shape:
+            return f"{name} have the shape {a.shape}, not {b.shape}"
         a, b = a.astype(mx.float32), b.astype(mx.float32)
         err = mx.abs(a - b).max().item()
         if not err <= 2e-2 * mx.abs(b).max().item():
