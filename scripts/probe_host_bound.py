@@ -3,6 +3,7 @@
     python scripts/probe_host_bound.py --runs 6 --out DIR              # the decode loop
     MLX_USE_CUDA_GRAPHS=0 python scripts/probe_host_bound.py --runs 6  # a setting: own process
     python scripts/probe_host_bound.py --op-costs --out DIR            # host cost a call
+    python scripts/probe_host_bound.py --runs 8 --begin-norms-every-other  # the two-launch norm
 
 The decode part runs our classic loop on a random-weight model of ``--shape`` (a fresh cache
 and prompt each run), timing each token's three parts: building the next step's graph (Python
@@ -135,6 +136,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--sync-every-other", action="store_true")
     ap.add_argument("--clear-cache", action="store_true")
+    ap.add_argument(
+        "--begin-norms-every-other",
+        action="store_true",
+        help="odd runs with quantized_matmul.BEGIN_NORMS on (the two-launch norm)",
+    )
     ap.add_argument("--op-costs", action="store_true", help="only the host cost a call")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -152,7 +158,13 @@ def main() -> None:
         for i in range(args.runs):
             if args.clear_cache:
                 mx.clear_cache()
+            begin = args.begin_norms_every_other and i % 2 == 1
+            if begin != qm.BEGIN_NORMS:
+                qm.BEGIN_NORMS = begin
+                kernels.changed()  # retrace the layer functions, outside the timed run
+                decode_run(target, prompt, 8, sync=False)
             run = decode_run(target, prompt, args.tokens, args.sync_every_other and i % 2 == 1)
+            run["begin_norms"] = begin
             res["runs"].append(run)
             print(json.dumps(run), flush=True)
     res["load_after"] = os.getloadavg()
