@@ -80,38 +80,29 @@ def test_mode_switch_is_validated(monkeypatch):
     assert kernels.mode() == "ops"
 
 
-def test_wrong_native_kernel_is_caught_and_replaced(monkeypatch):
-    """A native kernel that disagrees with the reference is never used: warn, fall back."""
+@pytest.mark.parametrize(
+    "wrong,warning",
+    [
+        (lambda y: y * 1.5, "disagrees with the ops reference"),
+        # outputs of the wrong shape make the comparison itself raise: a refusal too
+        (lambda y: y[..., :3], "its check failed"),
+    ],
+    ids=["values", "shape"],
+)  # fmt: skip
+def test_wrong_native_kernel_is_caught_and_replaced(monkeypatch, wrong, warning):
+    """A native kernel that disagrees with the reference is never used: warn, fall back
+    (never a traceback for the user)."""
     monkeypatch.setitem(kernels._state, "mode", "auto")
     kernels.reset_verdicts()
     monkeypatch.setattr(gd, "backend", lambda: "cuda")
 
     def broken(q, k, v, g, beta, state, *, keep_states=False):
         y, s, ss = gd.gated_delta_ops(q, k, v, g, beta, state, keep_states=keep_states)
-        return y * 1.5, s, ss
+        return wrong(y), s, ss
 
     monkeypatch.setattr(gd, "gated_delta_native", broken)
     args = _inputs()
-    with pytest.warns(RuntimeWarning, match="disagrees with the ops reference"):
-        y, _, _ = gd.gated_delta(*args)
-    assert _bitwise(y, gd.gated_delta_ops(*args)[0])
-    kernels.reset_verdicts()
-
-
-def test_a_native_kernel_whose_check_raises_is_refused_not_fatal(monkeypatch):
-    """Outputs of the wrong shape make the comparison itself raise: that too is a refusal
-    with a warning, and the reference runs (never a traceback for the user)."""
-    monkeypatch.setitem(kernels._state, "mode", "auto")
-    kernels.reset_verdicts()
-    monkeypatch.setattr(gd, "backend", lambda: "cuda")
-
-    def misshapen(q, k, v, g, beta, state, *, keep_states=False):
-        y, s, ss = gd.gated_delta_ops(q, k, v, g, beta, state, keep_states=keep_states)
-        return y[..., :3], s, ss  # three value rows of each head: cannot broadcast
-
-    monkeypatch.setattr(gd, "gated_delta_native", misshapen)
-    args = _inputs()
-    with pytest.warns(RuntimeWarning, match="its check failed"):
+    with pytest.warns(RuntimeWarning, match=warning):
         y, _, _ = gd.gated_delta(*args)
     assert _bitwise(y, gd.gated_delta_ops(*args)[0])
     kernels.reset_verdicts()
