@@ -290,6 +290,7 @@ class Qwen35Target:
         if ours:  # decode and verify rows then share one product kernel
             quantized_matmul.install(model)
         self.text = model.language_model
+        self._layers = self.text.model.layers  # (asked for every layer of every step)
         self.policy = RowPolicy()
         if fuse is None:  # where our kernel runs; on the CPU mlx-lm's exact products stay
             fuse = ours and kernels.backend() != "cpu" and kernels.mode() != "ops"
@@ -336,8 +337,8 @@ class Qwen35Target:
         return fused_in, fused_mlp
 
     @property
-    def layers(self):
-        return self.text.model.layers
+    def layers(self) -> list:
+        return self._layers
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -359,17 +360,18 @@ class Qwen35Target:
         return self.text.lm_head, self.text.lm_head
 
     def _fn(self, kind: str, i: int, keep: bool = False, compiled: bool = False) -> Callable:
-        """Layer ``i``'s ``kind`` part ("linear", "pre" or "post") as a pure function."""
-        layer = self.layers[i]
-        mlp_add = self.fused_mlp.get(i) or residual_mlp(layer.mlp)
-        # Only our fused products finish a norm begun before them: the MLP's gate/up within
-        # the layer, the next layer's input projections across (whose MLP down add begins it).
-        begin = i in self.fused_mlp
-        last = i + 1 == len(self.layers)
-        then = None if last or not begin or i + 1 not in self.fused_in else (
-            self.layers[i + 1].input_layernorm)  # fmt: skip
+        """Layer ``i``'s ``kind`` part ("linear", "pre" or "post") as a pure function (made
+        once: this runs for every layer of every step, so it does nothing else)."""
 
         def make() -> Callable:
+            layer = self.layers[i]
+            mlp_add = self.fused_mlp.get(i) or residual_mlp(layer.mlp)
+            # Only our fused products finish a norm begun before them: the MLP's gate/up in the
+            # layer, the next layer's input projections across (whose MLP down add begins it).
+            begin = i in self.fused_mlp
+            last = i + 1 == len(self.layers)
+            then = None if last or not begin or i + 1 not in self.fused_in else (
+                self.layers[i + 1].input_layernorm)  # fmt: skip
             if kind == "pre":
                 return attention_pre(layer, self.fused_in.get(i))
             if kind == "post":
