@@ -829,7 +829,7 @@ FUSE_RESIDUAL = True
 BEGIN_NORMS = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays and a module: compared by identity
 class NormBegun:
     """A residual sum whose next RMSNorm the launch that made it has begun (``Variant.emits``):
     ``h`` [..., N], ``scaled`` h times ``norm``'s weight, ``sums`` h's tile sums of squares
