@@ -144,11 +144,14 @@ def simulated_drafts(reference: list[int], prompt_len: int, p: float, seed: int)
         drafts, q = draft(drafter, target, tokens, hidden, cache, k, s)
         seen["tokens"] += len(tokens)
         pending = seen["tokens"] - prompt_len  # index of the pending token in the output
+        swap = [False] * k
+        own = [0] * k
         for i in range(k):
             j = pending + 1 + i
             if j < len(reference) and rng.random() < p:
-                drafts[i] = reference[j]
-        return drafts, q
+                swap[i], own[i] = True, reference[j]
+        # on the device, so the drafts are not waited for (as ``draft`` leaves them)
+        return mx.where(mx.array(swap), mx.array(own, drafts.dtype), drafts), q
 
     return propose
 

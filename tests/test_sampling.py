@@ -45,7 +45,7 @@ def _first_token_counts(n: int) -> tuple[Counter, list[float]]:
     counts = Counter()
     for _ in range(n):
         d = int(mx.random.categorical(mx.log(q[0])).item())
-        accepted, token = accept_sampled(p, q, [d])
+        accepted, token = accept_sampled(p, q, mx.array([d]))
         counts[d if accepted else token] += 1
     return counts, p[0].tolist()
 

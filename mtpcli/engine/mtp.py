@@ -28,10 +28,12 @@ def draft(
     cache: list,
     k: int,
     s: SamplingParams,
-) -> tuple[list[int], mx.array | None]:
+) -> tuple[mx.array, mx.array | None]:
     """Catch the drafter up on ``tokens`` (with the target hidden before each), then chain k drafts.
 
-    Returns the drafts and, when sampling, the drafter distributions they were drawn from.
+    Returns the drafts [k] and, when sampling, the drafter distributions they were drawn from.
+    The drafts are submitted, not waited for: the device computes them while the host builds
+    the verify that takes them.
     """
     h = drafter.forward(mx.array([tokens]), hidden, cache)[:, -1:]  # [1, 1, H]
     drafts, qs = [], []
@@ -45,8 +47,9 @@ def draft(
         drafts.append(d)
         if i < k - 1:
             h = drafter.forward(d.reshape(1, 1), h, cache)
-    mx.eval(drafts)
-    return [int(d.item()) for d in drafts], (mx.stack(qs) if qs else None)
+    out = mx.stack(drafts).reshape(k)  # [k]
+    mx.async_eval(out)
+    return out, (mx.stack(qs) if qs else None)
 
 
 def generate_mtp(
@@ -93,13 +96,15 @@ def generate_mtp(
             t0 = time.perf_counter()
             drafts, q = propose(drafter, target, ctx_tokens, ctx_hidden, dcache, k, sampling)
             t1 = time.perf_counter()
-            out = target.forward(mx.array([[pending, *drafts]]), tcache, verify=True)
+            block = mx.concatenate([mx.array([pending], drafts.dtype), drafts])[None]  # [1, k+1]
+            out = target.forward(block, tcache, verify=True)
             logits = positions(target.lm_head(out.hidden, exact=True))  # [k+1, V]
             n_acc, nxt = accept(logits, drafts, q, sampling)
+            drafts = drafts.tolist()  # computed by now: accept read the verify
             t2 = time.perf_counter()
             rollback(tcache, out.traces, n_acc + 1, k + 1)
             drafter.trim(dcache, k - 1)
-            mx.eval(cache_arrays(tcache))
+            mx.async_eval(cache_arrays(tcache))  # the next round's draft is built meanwhile
             rs.record(k, n_acc)
             rs.draft_s += t1 - t0
             rs.verify_s += t2 - t1

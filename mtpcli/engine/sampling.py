@@ -80,17 +80,19 @@ def accept_greedy(drafts: list[int], targets: list[int]) -> int:
 
 
 def accept(
-    logits: mx.array, drafts: list[int], q: mx.array | None, s: SamplingParams
+    logits: mx.array, drafts: mx.array, q: mx.array | None, s: SamplingParams
 ) -> tuple[int, int]:
-    """One round's verdict from the target logits [k+1, V]: (accepted drafts, next token)."""
+    """One round's verdict from the target logits [k+1, V] and the drafts [k] (token ids):
+    (accepted drafts, next token)."""
     if s.greedy:
-        targets = greedy(logits).tolist()
-        n = accept_greedy(drafts, targets)
-        return n, targets[n]
+        both = mx.concatenate([greedy(logits), drafts.astype(mx.uint32)]).tolist()  # one wait
+        k = drafts.shape[0]
+        n = accept_greedy(both[k + 1 :], both[: k + 1])
+        return n, both[n]
     return accept_sampled(probs(logits, s), q, drafts)
 
 
-def accept_sampled(p: mx.array, q: mx.array, drafts: list[int]) -> tuple[int, int]:
+def accept_sampled(p: mx.array, q: mx.array, drafts: mx.array) -> tuple[int, int]:
     """Speculative sampling for one round; preserves the target distribution.
 
     p: [k+1, V] target distributions at the verified positions; q: [k, V] the drafter's
@@ -99,8 +101,8 @@ def accept_sampled(p: mx.array, q: mx.array, drafts: list[int]) -> tuple[int, in
     residual max(0, p_i - q_i); if every draft is accepted, a bonus token is drawn from p_k.
     Returns (accepted count, the target token that ends the round).
     """
-    k = len(drafts)
-    rows, d = mx.arange(k), mx.array(drafts)
+    k = drafts.shape[0]
+    rows, d = mx.arange(k), drafts
     pd, qd = p[rows, d], q[rows, d]
     u = mx.random.uniform(shape=(k,))
     ok = (u * qd < pd).tolist()
