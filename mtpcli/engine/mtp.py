@@ -100,7 +100,7 @@ def generate_mtp(
             out = target.forward(block, tcache, verify=True)
             logits = positions(target.lm_head(out.hidden, exact=True))  # [k+1, V]
             n_acc, nxt = accept(logits, drafts, q, sampling)
-            drafts = drafts.tolist()  # computed by now: accept read the verify
+            draft_ids = drafts.tolist()  # computed by now: accept read the verify
             t2 = time.perf_counter()
             rollback(tcache, out.traces, n_acc + 1, k + 1)
             drafter.trim(dcache, k - 1)
@@ -109,7 +109,7 @@ def generate_mtp(
             rs.draft_s += t1 - t0
             rs.verify_s += t2 - t1
             rs.rollback_s += time.perf_counter() - t2
-            emitted = drafts[:n_acc] + [nxt]
+            emitted = draft_ids[:n_acc] + [nxt]
             ctx_tokens, ctx_hidden, pending = emitted, out.hidden[:, : n_acc + 1], nxt
     finally:
         stats.generation_s = time.perf_counter() - start
