@@ -121,14 +121,16 @@ def gated_delta_alone(
 
 def leave_out(target, cache, T: int, repeats: int, what: str) -> dict:
     """Forward cost with one part replaced by a stub of the right shape (for differences)."""
-    if what == "gated_delta":
-        original, name = tm.gated_delta_raw, "gated_delta_raw"
+    if what == "gated_delta":  # with its convolution, which the gated-delta kernel makes
+        original, name = tm.gated_delta_conv, "gated_delta_conv"
 
-        def stub(q, k, v, a, b, A_log, dt_bias, state, *, keep_states=False):
-            y = mx.zeros((*v.shape[:2], v.shape[2], v.shape[3]), v.dtype)
-            kept = (q.shape[1] - 1, *state.shape)  # the state after each position but the last
+        def stub(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, *, keep_states=False):
+            B, T, _ = qkv.shape
+            y = mx.zeros((B, T, heads[2], heads[3]), qkv.dtype)  # [B, T, Hv, Dv]
+            kept = (T - 1, *state.shape)  # the state after each position but the last
             states = mx.broadcast_to(state, kept) if keep_states else None
-            return y, state, states
+            inputs = mx.concatenate([window, qkv], axis=1)  # [B, K-1+T, C]
+            return y, state, states, inputs, inputs[:, T:]
     else:
         original, name = tm.attention_core, "attention_core"
 
@@ -243,7 +245,9 @@ def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = 
     arms = {
         "ours": (nullcontext, ours(target)),
         "ours_no_gc": (_no_gc, ours(target)),
-        "ours_conv_ops": (_patched(tm, conv_silu=cw.conv_silu_ops), ours(target)),
+        "ours_conv_apart": (_patched(gd, FUSE_CONV=False), ours(target)),
+        "ours_conv_ops": (_patched(gd, FUSE_CONV=False, conv_silu=cw.conv_silu_ops),
+                          ours(target)),
         "ours_gated_norm_ops": (_patched(tm, gated_norm=gn.gated_norm_ops), ours(target)),
         "ours_attention_ops": (_patched(tm, decode_attention=da.decode_attention_ops),
                                ours(target)),

@@ -58,8 +58,10 @@ def test_reference_block_equals_chain_of_single_positions(dtype):
 
 
 def test_the_model_uses_it_and_a_wrong_one_breaks_exactness_vs_mlx_lm(monkeypatch, tiny_mixer):
-    """The gated-delta layer's convolution goes through ``conv_silu``: a wrong result there
-    changes the layer output (so the mlx-lm parity tests cover this path)."""
+    """Where the gated-delta kernel does not make the convolution itself (the CPU), the
+    gated-delta layer's goes through ``conv_silu``: a wrong result there changes the layer
+    output (so the mlx-lm parity tests cover this path)."""
+    from mtpcli.kernels import gated_delta as gd
     from mtpcli.models import qwen3_5 as tm
 
     m, x, conv_state, state, want = tiny_mixer  # the norm left out here: identity
@@ -70,7 +72,7 @@ def test_the_model_uses_it_and_a_wrong_one_breaks_exactness_vs_mlx_lm(monkeypatc
         out, inputs, new_window = cw.conv_silu_ops(x, window, weight)
         return out * 1.01, inputs, new_window
 
-    monkeypatch.setattr(tm, "conv_silu", wrong)
+    monkeypatch.setattr(gd, "conv_silu", wrong)
     broken = tm._gated_delta(m, x, lambda h: h, conv_state, state, keep=False)[0]
     assert not mx.allclose(broken, want, atol=1e-5).item()
 

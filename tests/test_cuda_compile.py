@@ -78,6 +78,21 @@ def test_gated_delta_kernel_compiles_without_spills(tmp_path, keep, raw, dtype):
     assert _no_spills(report), report
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["", "keep"])
+@pytest.mark.parametrize("dtype", [BF16, HALF])
+def test_gated_delta_kernel_with_the_conv_folded_in_compiles_without_spills(tmp_path, keep, dtype):
+    types = dict.fromkeys(gd._CONV_INPUTS, dtype) | {"state_in": F32, "A_log": F32}
+    outputs = {"y": dtype, "state_out": F32} | ({"states": F32} if keep else {})
+    outputs |= {"inputs": dtype, "window_out": dtype}
+    constants = {"InT": dtype, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48, "R": gd._ROWS,
+                 "WARPS": gd._WARPS, "AT": F32, "DT": dtype, "WT": dtype, "CK": 4}  # fmt: skip
+    spec = gd._spec(False, keep, True, conv=True)
+    report = _compile(tmp_path, _wrap(spec["source"], spec["header"], types, outputs, constants))
+    assert _no_spills(report), report
+    regs = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert regs * 32 * gd._WARPS * gd.CONV_MIN_BLOCKS <= 65536  # its launch bounds hold
+
+
 def test_convolution_kernel_compiles_without_spills(tmp_path):
     types = {"x": BF16, "window": BF16, "weight": BF16}
     outputs = {"y": BF16, "inputs": BF16, "window_out": BF16}

@@ -630,3 +630,129 @@ def test_emulated_metal_norm_in_two_launches():
     want = _metal_norm_reference(h2, nw2, w, scales, biases, 4)
     np.testing.assert_allclose(fin[8], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
     assert np.array_equal(fin[1], fin[8][:1]) and np.array_equal(fin[3], fin[8][:3])
+
+
+# The gated-delta kernel with the convolution folded in ("conv" variant): it reads the input
+# projection's qkv and the conv window, and also writes the conv's window and inputs.
+
+
+def _conv_layer_inputs(T: int, seed: int = 0, heads=(HK, DK, HV, DV), K: int = 4) -> dict:
+    """The folded kernel's inputs: qkv a view into a wider projection output, the window a view
+    into a verify's inputs (as a rollback leaves it), float32."""
+    hk, dk, hv, dv = heads
+    nc = 2 * hk * dk + hv * dv
+    rng = np.random.default_rng(seed)
+    wide = rng.standard_normal((1, T, nc + 24), dtype=np.float32)
+    kept = rng.standard_normal((1, K + 1, nc), dtype=np.float32)  # [1, K-1 + 2, NC]
+    ab = rng.standard_normal((1, T, 2 * hv), dtype=np.float32)
+    return {
+        "qkv": wide[..., 16 : 16 + nc], "window": kept[:, 2:],
+        "conv_w": rng.standard_normal((nc, K), dtype=np.float32) * 0.5,
+        "a": ab[..., :hv], "bb": ab[..., hv:],
+        "A_log": np.linspace(-2, 1, hv, dtype=np.float32),
+        "dt_bias": np.linspace(-1, 1, hv, dtype=np.float32),
+        "state_in": rng.standard_normal((1, hv, dv, dk), dtype=np.float32) * 0.1,
+    }  # fmt: skip
+
+
+def _emulate_conv(x: dict, keep: bool, heads=(HK, DK, HV, DV), source: str | None = None,
+                  rows: int = gd._ROWS) -> list:  # fmt: skip
+    """y, the final state, the states where kept, the conv's window and inputs, new window."""
+    hk, dk, hv, dv = heads
+    T, K, nc = x["qkv"].shape[1], x["conv_w"].shape[1], x["qkv"].shape[2]
+    outputs = {"y": (1, T, hv, dv), "state_out": (1, hv, dv, dk)}
+    outputs |= {"states": (T - 1, 1, hv, dv, dk)} if keep else {}
+    outputs |= {"inputs": (1, K - 1 + T, nc), "window_out": (1, K - 1, nc)}
+    out = cuda_emulation.run(
+        source or gd._source(False, keep, True, conv=True),
+        x,
+        outputs,
+        {"Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "R": rows, "WARPS": gd._WARPS, "CK": K},
+        *gd._geometry(1, hv, dv, rows),
+    )
+    return list(out.values())
+
+
+def _conv_reference(x: dict, keep: bool, heads=(HK, DK, HV, DV)) -> list[np.ndarray]:
+    a = {n: mx.array(v) for n, v in x.items()}
+    w = a["conv_w"][..., None]  # [NC, K, 1]: MLX's conv weight layout
+    out = gd.gated_delta_conv_ops(a["qkv"], a["window"], w, a["a"], a["bb"], a["A_log"],
+                                  a["dt_bias"], a["state_in"], heads, keep_states=keep)  # fmt: skip
+    return [np.array(t) for t in out if t is not None]
+
+
+@pytest.mark.parametrize("metal", [False, True], ids=["cuda", "metal"])
+@pytest.mark.parametrize("T, keep", [(1, False), (3, True), (3, False), (11, True)])
+def test_emulated_folded_conv_kernel_matches_the_reference(metal, T, keep):
+    x = _conv_layer_inputs(T, seed=60 + T)
+    got = _emulate_conv(x, keep, source=gd._source(metal, keep, True, conv=True))
+    want = _conv_reference(x, keep)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_emulated_folded_conv_kernel_covers_wide_key_heads():
+    """Key heads wider than a threadgroup (Dk 128): their q and k channels' conv inputs are
+    written by two value heads' threadgroups, each its share."""
+    heads = (1, 128, 2, 8)
+    x = _conv_layer_inputs(3, seed=5, heads=heads)
+    got = _emulate_conv(x, True, heads=heads)
+    for g, w in zip(got, _conv_reference(x, True, heads=heads), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_emulated_folded_conv_equals_the_conv_kernel_then_the_raw_kernel():
+    """The folded kernel makes each q, k and v value with the conv kernel's arithmetic: bitwise
+    the two launches it replaces."""
+    T = 3
+    x = _conv_layer_inputs(T, seed=8)
+    y, state, states, inputs, window = _emulate_conv(x, keep=True)
+    out, conv_inputs, conv_window = _conv(x["qkv"], x["window"], x["conv_w"][..., None])
+    q, k, v = np.split(out, [HK * DK, 2 * HK * DK], axis=-1)
+    raw = {
+        "q": q.reshape(1, T, HK, DK),
+        "k": k.reshape(1, T, HK, DK),
+        "v": v.reshape(1, T, HV, DV),
+    } | {n: x[n] for n in ("a", "bb", "A_log", "dt_bias")}
+    want = _emulate({**raw, "state_in": x["state_in"]}, keep=True)  # fmt: skip
+    got = [y, state, states, inputs, window]
+    for g, w in zip(got, [*want, conv_inputs, conv_window], strict=True):
+        assert np.array_equal(g, w)
+
+
+def test_emulated_folded_conv_kernel_keeps_chain_parity():
+    """T steps in one launch equal T one-step launches, each from the last one's conv window
+    and state: outputs, states, and the window after every step (10 steps: two chunks)."""
+    T = 10
+    x = _conv_layer_inputs(T, seed=9)
+    y, final, states, inputs, window = _emulate_conv(x, keep=True)
+    s, w, ys, kept = x["state_in"], x["window"], [], []
+    for t in range(T):
+        step = {**x, "qkv": x["qkv"][:, t : t + 1], "a": x["a"][:, t : t + 1],
+                "bb": x["bb"][:, t : t + 1], "window": w, "state_in": s}  # fmt: skip
+        yt, s, _, w = _emulate_conv(step, keep=False)
+        ys.append(yt)
+        kept.append(s)
+    assert np.array_equal(np.concatenate(ys, 1), y) and np.array_equal(s, final)
+    assert np.array_equal(np.stack(kept[:-1]), states) and np.array_equal(w, window)
+    assert np.array_equal(inputs, np.concatenate([x["window"], x["qkv"]], axis=1))
+
+
+@pytest.mark.parametrize(
+    "old, new, output",
+    [
+        ("kk_ < CK;", "kk_ < CK - 1;", 0),  # the conv drops its newest input
+        ("hv * Dv + dv;", "hv * Dv;", 0),  # every warp convolves the head's first value rows
+        ("if ((j) >= T)", "if ((j) > T)", 4),  # the new window loses its oldest row
+        ("(Hk - 1) * Dk + hk * Dk)", "hk * Dk)", 3),  # k's inputs kept over q's
+    ],
+    ids=["conv_taps", "value_rows", "window", "k_inputs"],
+)
+def test_emulation_catches_a_broken_folded_conv(old, new, output):
+    """Each of these mistakes changes the output it touches."""
+    x = _conv_layer_inputs(3, seed=12)
+    source = gd._source(False, True, True, conv=True)
+    assert old in source
+    got = _emulate_conv(x, keep=True, source=source.replace(old, new))[output]
+    assert not np.allclose(got, _conv_reference(x, keep=True)[output], rtol=1e-4, atol=1e-5)

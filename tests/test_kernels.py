@@ -148,9 +148,10 @@ def test_cuda_kernel_chain_parity(T, dtype):
     assert _bitwise(y, cy) and _bitwise(final, cfinal) and _bitwise(states, cstates)
 
 
-@pytest.mark.parametrize("raw", [False, True], ids=["plain", "raw"])
+@pytest.mark.parametrize("raw, conv", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "raw", "conv"])  # fmt: skip
 @pytest.mark.parametrize("keep", [False, True], ids=["", "keep"])
-def test_metal_source_mirrors_cuda_line_by_line(keep, raw):
+def test_metal_source_mirrors_cuda_line_by_line(keep, raw, conv):
     """The Metal kernel cannot run here; keep it a line-for-line mirror of the tested CUDA one."""
     metal_to_cuda = [
         ("thread_index_in_simdgroup", "threadIdx.x & 31"),
@@ -165,12 +166,13 @@ def test_metal_source_mirrors_cuda_line_by_line(keep, raw):
         ("rsqrt(", "rsqrtf("), ("exp(", "expf("), ("log(", "logf("), ("fmax(", "fmaxf("),
         ("fabs(", "fabsf("),
     ]  # fmt: skip
-    metal = gd._source(True, keep, raw)
+    metal = gd._source(True, keep, raw, conv)
     for a, b in metal_to_cuda:
         metal = metal.replace(a, b)
-    cuda = gd._source(False, keep, raw)
+    cuda = gd._source(False, keep, raw, conv)
     assert metal.splitlines() == cuda.splitlines()
     assert ("states +" in cuda) == keep and ("A_log[hv]" in cuda) == raw
+    assert ("conv_w[" in cuda) == conv
 
 
 def test_raw_reference_is_mlx_lm_gating_then_the_recurrence():
@@ -210,8 +212,9 @@ def test_kernel_names_change_with_their_source(monkeypatch):
     or an upgraded install would run the old machine code."""
     from mtpcli.kernels import quantized_matmul as qm
 
-    names = {gd._spec(False, keep, raw)["name"] for keep in (False, True) for raw in (False, True)}
-    assert len(names) == 4
+    variants = [(False, False), (True, False), (True, True)]  # (raw, conv)
+    names = {gd._spec(False, keep, *v)["name"] for keep in (False, True) for v in variants}
+    assert len(names) == 6
     before = gd._spec(False, True, True)["name"]
     monkeypatch.setattr(gd, "_TEMPLATE", gd._TEMPLATE.replace("lane == 0", "lane == 1"))
     assert gd._spec(False, True, True)["name"] != before
@@ -256,4 +259,109 @@ def test_cuda_rows_per_warp_do_not_change_a_bit(monkeypatch, rows):
     assert gd._rows(128) == gd._ROWS != rows
     monkeypatch.setattr(gd, "_ROWS", rows)
     got = gd.gated_delta_raw_native(*args, keep_states=True)
+    assert all(_bitwise(x, y) for x, y in zip(got, want, strict=True))
+
+
+# The convolution folded into the kernel (``gated_delta_conv``).
+
+
+def _conv_args(T=3, heads=(2, 32, 4, 16), K=4, dtype=mx.bfloat16, seed=0):
+    """The layer's inputs from its conv's: qkv [1, T, NC] (a view), the window (a view),
+    the conv weight [NC, K, 1], a, b, A_log, dt_bias, the state, the head sizes."""
+    hk, dk, hv, dv = heads
+    qkv, window, conv_w = gd._conv_inputs(dtype, heads, K, dtype, T=T)
+    *_, g, beta, state = _inputs(T=T, hk=hk, hv=hv, dk=dk, dv=dv, dtype=dtype, seed=seed)
+    a, b, A_log, dt_bias = gd._raw_gates(g, beta, dtype, hv, (mx.float32, mx.bfloat16))
+    return qkv, window, conv_w, a, b, A_log, dt_bias, state, heads
+
+
+def test_the_conv_reference_is_the_conv_then_the_raw_reference():
+    from mtpcli.kernels import conv_window as cw
+
+    qkv, window, conv_w, a, b, A_log, dt_bias, state, heads = _conv_args()
+    got = gd.gated_delta_conv_ops(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads,
+                                  keep_states=True)  # fmt: skip
+    out, inputs, new_window = cw.conv_silu_ops(qkv, window, conv_w)
+    q, k, v = mx.split(out, [64, 128], axis=-1)
+    want = gd.gated_delta_raw_ops(q.reshape(1, 3, 2, 32), k.reshape(1, 3, 2, 32),
+                                  v.reshape(1, 3, 4, 16), a, b, A_log, dt_bias, state,
+                                  keep_states=True)  # fmt: skip
+    assert all(_bitwise(x, y) for x, y in zip(got, (*want, inputs, new_window), strict=True))
+
+
+@pytest.mark.filterwarnings("ignore:gated_delta_raw kernel")  # no raw kernel on this CPU
+def test_a_wrong_folded_kernel_is_refused_and_the_two_launches_run(monkeypatch, pretend_gpu):
+    kernels.reset_verdicts()
+
+    def wrong(*args, keep_states=False):
+        y, *rest = gd.gated_delta_conv_ops(*args, keep_states=keep_states)
+        return (y * 1.5, *rest)
+
+    pretend_gpu(gd, "gated_delta_conv_native", wrong)
+    args = _conv_args()
+    with pytest.warns(RuntimeWarning, match="gated_delta_conv kernel disagrees"):
+        got = gd.gated_delta_conv(*args, keep_states=True)
+    want = gd.gated_delta_conv_ops(*args, keep_states=True)
+    assert all(_bitwise(x, y) for x, y in zip(got, want, strict=True))
+    kernels.reset_verdicts()
+
+
+@pytest.mark.filterwarnings("ignore:gated_delta_raw kernel")  # no raw kernel on this CPU
+def test_an_agreeing_folded_kernel_is_used_unless_switched_off(monkeypatch, pretend_gpu):
+    kernels.reset_verdicts()
+    calls = []
+
+    def native(*args, **kw):
+        calls.append(1)
+        return gd.gated_delta_conv_ops(*args, **kw)
+
+    pretend_gpu(gd, "gated_delta_conv_native", native)
+    gd.gated_delta_conv(*_conv_args())
+    assert len(calls) == 2  # the self-check, then the real call
+    monkeypatch.setattr(gd, "FUSE_CONV", False)
+    gd.gated_delta_conv(*_conv_args())
+    assert len(calls) == 2  # the two launches' paths instead
+    kernels.reset_verdicts()
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_cuda_folded_conv_kernel_passes_its_check_at_the_27b_heads(dtype):
+    heads = (16, 128, 48, 128)
+    assert gd._self_check_conv(dtype, heads, 4, mx.bfloat16, (mx.float32, mx.float32)) is None
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 3, 10])
+def test_cuda_folded_conv_kernel_keeps_chain_parity(T):
+    """T steps in one launch equal T one-step launches, each from the last one's window and
+    state: outputs, states and windows bitwise."""
+    qkv, window, conv_w, a, b, A_log, dt_bias, state, heads = _conv_args(
+        T=T, heads=(16, 128, 48, 128), seed=T
+    )
+    y, final, states, inputs, new_window = gd.gated_delta_conv_native(
+        qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, keep_states=True
+    )
+    s, w, ys, kept = state, window, [], []
+    for t in range(T):
+        yt, s, _, _, w = gd.gated_delta_conv_native(
+            qkv[:, t : t + 1], w, conv_w, a[:, t : t + 1], b[:, t : t + 1], A_log, dt_bias, s,
+            heads)  # fmt: skip
+        ys.append(yt)
+        kept.append(s)
+    assert _bitwise(y, mx.concatenate(ys, axis=1)) and _bitwise(final, s)
+    assert _bitwise(new_window, w) and _bitwise(inputs, mx.concatenate([window, qkv], axis=1))
+    if T > 1:
+        assert _bitwise(states, mx.stack(kept[:-1]))
+
+
+@cuda
+def test_cuda_folded_conv_equals_the_conv_kernel_then_the_raw_kernel():
+    """What the fold changes is the launch count: each value is the conv kernel's, bitwise
+    (so a model runs the same tokens with it on or off)."""
+    from mtpcli.kernels import conv_window as cw
+
+    args = _conv_args(T=3, heads=(16, 128, 48, 128), seed=4)
+    got = gd.gated_delta_conv_native(*args, keep_states=True)
+    want = gd._conv_then_delta(cw.conv_silu_native, gd.gated_delta_raw_native, *args, True)
     assert all(_bitwise(x, y) for x, y in zip(got, want, strict=True))

@@ -103,6 +103,15 @@ def spell(source: str, metal: bool) -> str:
     return source
 
 
+def launch_bounds(warps: int, min_blocks: int) -> str:
+    """A header tail that gives the kernel CUDA launch bounds: ``min_blocks`` blocks of
+    ``warps`` warps must fit a multiprocessor, so ptxas caps the registers a thread (at 5
+    blocks of 8 warps, 51). MLX writes the kernel's signature after the header, so the bounds
+    ride on ``__global__``."""
+    return (f"#undef __global__\n#define __global__ __location__(global) "
+            f"__launch_bounds__({32 * warps}, {min_blocks})\n")  # fmt: skip
+
+
 def built(cache: dict, key: tuple, cuda: Callable[[], object], metal: Callable[[], object]):
     """A kernel module's kernel ``key`` for the running backend, built once by that backend's
     builder; None where the backend has none (the CPU)."""

@@ -15,7 +15,8 @@ import itertools
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from . import available, backend, built, kernel_name, spell, use_native
+from . import available, backend, built, kernel_name, launch_bounds, spell, use_native
+from .conv_window import conv_silu, conv_silu_ops
 
 
 @mx.compile
@@ -86,15 +87,13 @@ _TEMPLATE = """
     constexpr int NPT = Dk / 32;
     constexpr int CH = 8;
     static_assert(CH <= 32, "a chunk's gates are made by the lanes of one warp");
-    const int B = k_shape[0];
-    const int T = k_shape[1];
+    const int B = TIMED_shape[0];
+    const int T = TIMED_shape[1];
     THREAD_INDICES
     const int b = n / Hv;
     const int hv = n % Hv;
     const int hk = hv / (Hv / Hk);
-    DEVICE const InT* q_ = q + b * q_strides[0] + hk * q_strides[2] + lane * NPT * q_strides[3];
-    DEVICE const InT* k_ = k + b * k_strides[0] + hk * k_strides[2] + lane * NPT * k_strides[3];
-    DEVICE const InT* v_ = v + b * v_strides[0] + hv * v_strides[2] + dv * v_strides[3];
+    QKV_INPUTS
     DEVICE InT* y_ = y + (size_t)b * T * Hv * Dv + hv * Dv + dv;
     GATE_INPUTS
     // The state is read through its strides: after a rollback it is a view into the last
@@ -107,8 +106,9 @@ _TEMPLATE = """
     }
     SHARED float qk_sh[CH][2][Dk];  // a chunk's normalised q (0) and k (1)
     SHARED float gb_sh[CH][2];  // a chunk's decay (0) and beta (1)
+    CONV_COPY
     float xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = static_cast<float>(v_[r * v_strides[3]]);
+    for (int r = 0; r < R; ++r) V_LOAD(xv[r], r, 0);
     for (int t0 = 0; t0 < T; t0 += CH) {
       const int C = min(CH, T - t0);
       if (t0 > 0) {
@@ -117,10 +117,8 @@ _TEMPLATE = """
       for (int u = warp; u < 2 * C; u += WARPS) {
         const int j = u >> 1;
         const bool isq = (u & 1) == 0;
-        DEVICE const InT* src = isq ? q_ + (t0 + j) * q_strides[1] : k_ + (t0 + j) * k_strides[1];
-        const auto st = isq ? q_strides[3] : k_strides[3];
         float x[NPT];
-        for (int i = 0; i < NPT; ++i) x[i] = static_cast<float>(src[i * st]);
+        QK_LOAD
         QK
         for (int i = 0; i < NPT; ++i) qk_sh[j][isq ? 0 : 1][lane * NPT + i] = x[i];
       }
@@ -141,8 +139,7 @@ _TEMPLATE = """
         }
         for (int r = 0; r < R; ++r) vt[r] = xv[r];
         if (t + 1 < T) {  // the next step's v, loaded while this step runs
-          for (int r = 0; r < R; ++r)
-            xv[r] = static_cast<float>(v_[(t + 1) * v_strides[1] + r * v_strides[3]]);
+          for (int r = 0; r < R; ++r) V_LOAD(xv[r], r, t + 1);
         }
         const float gt = gb_sh[j][0], bt = gb_sh[j][1];
         float kv[R], o[R];
@@ -234,30 +231,109 @@ _RAW = {
         const float sc = isq ? qs : ks;
         for (int i = 0; i < NPT; ++i) x[i] = RD(RD(x[i] * inv) * sc);""",
 }
+# How q, k and v are read. The plain and raw variants read them as given (views into the conv's
+# output); TIMED names the input whose shape gives B and T.
+_READ = {
+    "TIMED": "k",
+    "QKV_INPUTS": """DEVICE const InT* q_ = q + b * q_strides[0] + hk * q_strides[2]
+        + lane * NPT * q_strides[3];
+    DEVICE const InT* k_ = k + b * k_strides[0] + hk * k_strides[2]
+        + lane * NPT * k_strides[3];
+    DEVICE const InT* v_ = v + b * v_strides[0] + hv * v_strides[2] + dv * v_strides[3];
+    #define V_LOAD(dst, r, t) \\
+      dst = static_cast<float>(v_[(t) * v_strides[1] + (r) * v_strides[3]])""",
+    "QK_LOAD": """DEVICE const InT* src = isq ? q_ + (t0 + j) * q_strides[1]
+                                    : k_ + (t0 + j) * k_strides[1];
+        const auto st = isq ? q_strides[3] : k_strides[3];
+        for (int i = 0; i < NPT; ++i) x[i] = static_cast<float>(src[i * st]);""",
+    "CONV_COPY": "",
+}
+# The "conv" variant (a raw one) reads the input projection's qkv [B, T, NC], the conv window
+# [B, CK-1, NC] and the conv weight [NC, CK] instead, and makes each q, k and v value with the
+# conv kernel's arithmetic and roundings (kernels/conv_window.py) where it needs it: a q/k
+# channel's is made by every threadgroup of its key head, as the q/k normalisation is. It also
+# writes the conv kernel's other outputs: the window and inputs [B, CK-1+T, NC] (what the
+# rollback restores the window from) and the new window [B, CK-1, NC], each channel by one
+# thread. That saves the conv's launch per layer per step.
+_CONV_READ = {
+    "TIMED": "qkv",
+    "QKV_INPUTS": """constexpr int NC = 2 * Hk * Dk + Hv * Dv;  // qkv's channels: q, k, then v
+    constexpr int TW = CK - 1;  // the conv window's length
+    DEVICE const InT* x_ = qkv + b * qkv_strides[0];
+    DEVICE const InT* w_ = window + b * window_strides[0];
+    const int xs = qkv_strides[1], xc = qkv_strides[2];
+    const int ws = window_strides[1], wc = window_strides[2];
+    const int cv = 2 * Hk * Dk + hv * Dv + dv;  // the warp's first value channel
+    // channel c's input at step s (the window's for s < 0)
+    #define CONV_IN(c, s) ((s) < 0 ? w_[((s) + TW) * ws + (c) * wc] : x_[(s) * xs + (c) * xc])
+    #define CONV_SILU(dst, c, t) { \\
+      float acc_ = 0.0f; \\
+      for (int kk_ = 0; kk_ < CK; ++kk_) \\
+        acc_ = acc_ + static_cast<float>(conv_w[(c) * CK + kk_]) \\
+            * static_cast<float>(CONV_IN(c, (t) - TW + kk_)); \\
+      const float h_ = RD(acc_); \\
+      dst = RD(h_ * RD(1.0f / (1.0f + expf(-h_)))); }
+    #define V_LOAD(dst, r, t) CONV_SILU(dst, cv + (r), t)""",
+    "QK_LOAD": """const int c0 = (isq ? 0 : Hk * Dk) + hk * Dk + lane * NPT;  // the lane's first
+        for (int i = 0; i < NPT; ++i) CONV_SILU(x[i], c0 + i, t0 + j);""",
+    "CONV_COPY": """{
+      #define CONV_KEEP(c, j) { \\
+        const InT in_ = CONV_IN(c, (j) - TW); \\
+        inputs[((size_t)b * (TW + T) + (j)) * NC + (c)] = in_; \\
+        if ((j) >= T) window_out[((size_t)b * TW + (j) - T) * NC + (c)] = in_; }
+      for (int r = 0; r < R; ++r) {
+        for (int j = lane; j < TW + T; j += 32) CONV_KEEP(cv + r, j);
+      }
+      // key head hk's q and k channels, spread over the threadgroups of its value heads
+      const int per = Dv / (R * WARPS);  // threadgroups a value head spans
+      const int g = (hv % (Hv / Hk)) * per + dv / (R * WARPS);
+      const int step = (Hv / Hk) * per * 32 * WARPS;
+      for (int cc = g * 32 * WARPS + warp * 32 + lane; cc < 2 * Dk; cc += step) {
+        const int c = (cc < Dk ? hk * Dk : (Hk - 1) * Dk + hk * Dk) + cc;
+        for (int j = 0; j < TW + T; ++j) CONV_KEEP(c, j);
+      }
+    }""",
+}
 _INPUTS = {
     False: ["q", "k", "v", "g", "beta", "state_in"],
     True: ["q", "k", "v", "a", "bb", "A_log", "dt_bias", "state_in"],
 }
+_CONV_INPUTS = ["qkv", "window", "conv_w", "a", "bb", "A_log", "dt_bias", "state_in"]
 _kernels: dict = {}
 
 
-def _source(metal: bool, keep: bool, raw: bool) -> str:
-    """The kernel body of one variant for one backend, its splices filled in."""
+def _source(metal: bool, keep: bool, raw: bool, conv: bool = False) -> str:
+    """The kernel body of one variant for one backend, its splices filled in (``conv``: the
+    raw variant that makes q, k and v from the conv's inputs itself)."""
     source = _TEMPLATE.replace("KEEP_STATES", _KEEP if keep else "")
-    for name, text in (_RAW if raw else _PLAIN).items():
+    for name, text in (_CONV_READ if conv else _READ).items():
+        source = source.replace(name, text)
+    for name, text in (_RAW if raw or conv else _PLAIN).items():
         source = source.replace(name, text)
     return spell(source.replace("THREAD_INDICES", _THREAD_INDICES[metal]), metal)
 
 
-def _spec(metal: bool, keep: bool, raw: bool) -> dict:
+# The conv variant takes 94-102 registers unbounded: 5 threadgroups a multiprocessor, 660 on
+# the H200, fewer than a 27B layer's 768 (B = 1). Bounded to 7, ptxas fits it in 72 without
+# spills (tests/test_cuda_compile.py), and a layer's threadgroups run in one wave.
+CONV_MIN_BLOCKS = 7
+
+
+def _spec(metal: bool, keep: bool, raw: bool, conv: bool = False) -> dict:
     """The arguments both backends' kernel factories take, for one variant."""
-    source = _source(metal, keep, raw)
+    source = _source(metal, keep, raw, conv)
+    header = launch_bounds(_WARPS, CONV_MIN_BLOCKS) if conv and not metal else ""
+    kind = "_conv" if conv else "_raw" if raw else ""
     return {
-        "name": kernel_name(
-            f"mtp_gated_delta{'_raw' if raw else ''}{'_keep' if keep else ''}", source
-        ),  # fmt: skip
-        "input_names": _INPUTS[raw],
-        "output_names": ["y", "state_out"] + (["states"] if keep else []),
+        "name": kernel_name(f"mtp_gated_delta{kind}{'_keep' if keep else ''}", source, header),
+        "header": header,
+        "input_names": _CONV_INPUTS if conv else _INPUTS[raw],
+        "output_names": [
+            "y",
+            "state_out",
+            *(["states"] if keep else []),
+            *(["inputs", "window_out"] if conv else []),
+        ],  # fmt: skip
         "source": source,
         # q, k, v and the gate inputs are read through their strides (in a verify block they
         # are views into the projections' output: a copy each would be a launch each).
@@ -265,21 +341,21 @@ def _spec(metal: bool, keep: bool, raw: bool) -> dict:
     }
 
 
-def _build_cuda(keep: bool, raw: bool):
+def _build_cuda(keep: bool, raw: bool, conv: bool):
     if not available("cuda"):
         return None
-    return mx.fast.cuda_kernel(**_spec(False, keep, raw))
+    return mx.fast.cuda_kernel(**_spec(False, keep, raw, conv))
 
 
-def _build_metal(keep: bool, raw: bool):
+def _build_metal(keep: bool, raw: bool, conv: bool):
     if not available("metal"):
         return None
-    return mx.fast.metal_kernel(**_spec(True, keep, raw))
+    return mx.fast.metal_kernel(**_spec(True, keep, raw, conv))
 
 
-def _kernel(keep: bool, raw: bool = False):
-    return built(_kernels, (keep, raw), lambda: _build_cuda(keep, raw),
-                 lambda: _build_metal(keep, raw))  # fmt: skip
+def _kernel(keep: bool, raw: bool = False, conv: bool = False):
+    return built(_kernels, (keep, raw, conv), lambda: _build_cuda(keep, raw, conv),
+                 lambda: _build_metal(keep, raw, conv))  # fmt: skip
 
 
 # Value rows per warp: a warp interleaves its rows' reductions; fewer rows, more warps to hide
@@ -298,16 +374,24 @@ def _geometry(B: int, Hv: int, Dv: int, R: int) -> tuple[tuple, tuple]:
     return (32 * _WARPS, Dv // (R * _WARPS), B * Hv), (32 * _WARPS, 1, 1)
 
 
-def _launch(kernel, inputs: list, q, k, v, keep_states: bool, extra_types=()):
-    B, T, Hk, Dk = k.shape
-    Hv, Dv = v.shape[2], v.shape[3]
+def _launch(kernel, inputs: list, dims: tuple, dtype, keep_states: bool, extra_types=(),
+            conv_width: int = 0) -> list[mx.array]:  # fmt: skip
+    """One launch for dims (B, T, Hk, Dk, Hv, Dv): y, the final state, the per-step states
+    where kept, and with ``conv_width`` the conv's window and inputs and new window."""
+    B, T, Hk, Dk, Hv, Dv = dims
     R = _rows(Dv)
     grid, threadgroup = _geometry(B, Hv, Dv, R)
     shapes = [(B, T, Hv, Dv), (B, Hv, Dv, Dk)] + ([(T - 1, B, Hv, Dv, Dk)] if keep_states else [])
-    out = kernel(
+    dtypes = [dtype] + [mx.float32] * (len(shapes) - 1)
+    if conv_width:
+        NC = 2 * Hk * Dk + Hv * Dv
+        shapes += [(B, conv_width - 1 + T, NC), (B, conv_width - 1, NC)]
+        dtypes += [dtype, dtype]
+        extra_types = (*extra_types, ("CK", conv_width))
+    return kernel(
         inputs=inputs,
         template=[
-            ("InT", q.dtype),
+            ("InT", dtype),
             ("Dk", Dk),
             ("Dv", Dv),
             ("Hk", Hk),
@@ -319,9 +403,13 @@ def _launch(kernel, inputs: list, q, k, v, keep_states: bool, extra_types=()):
         grid=grid,
         threadgroup=threadgroup,
         output_shapes=shapes,
-        output_dtypes=[q.dtype] + [mx.float32] * (len(shapes) - 1),
+        output_dtypes=dtypes,
     )
-    return out[0], out[1], (out[2] if keep_states else None)
+
+
+def _dims(q, v) -> tuple:
+    """(B, T, Hk, Dk, Hv, Dv) of q [B, T, Hk, Dk] and v [B, T, Hv, Dv]."""
+    return (*q.shape, *v.shape[2:])
 
 
 def _keeps(q, keep_states: bool) -> bool:
@@ -329,9 +417,12 @@ def _keeps(q, keep_states: bool) -> bool:
     return keep_states and q.shape[1] > 1
 
 
-def _with_states(out, keep_states: bool):
-    y, state, states = out
-    return y, state, (_no_states(state) if keep_states and states is None else states)
+def _with_states(out: list, keep_states: bool):
+    """y, the final state and the states (empty for a one-step block) where asked for."""
+    y, state = out[0], out[1]
+    if not keep_states:
+        return y, state, None
+    return y, state, out[2] if y.shape[1] > 1 else _no_states(state)
 
 
 def gated_delta_native(q, k, v, g, beta, state, *, keep_states: bool = False):
@@ -340,7 +431,7 @@ def gated_delta_native(q, k, v, g, beta, state, *, keep_states: bool = False):
     if kernel is None:
         return None
     inputs = [q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state.astype(mx.float32)]
-    out = _launch(kernel, inputs, q, k, v, _keeps(q, keep_states))
+    out = _launch(kernel, inputs, _dims(q, v), q.dtype, _keeps(q, keep_states))
     return _with_states(out, keep_states)
 
 
@@ -364,8 +455,58 @@ def gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state, *, keep_states=
     inputs = [q, k, v, a.astype(q.dtype), b.astype(q.dtype), mx.contiguous(A_log),
               mx.contiguous(dt_bias), state.astype(mx.float32)]  # fmt: skip
     types = [("AT", A_log.dtype), ("DT", dt_bias.dtype)]  # in the name: they type the signature
-    out = _launch(kernel, inputs, q, k, v, _keeps(q, keep_states), types)
+    out = _launch(kernel, inputs, _dims(q, v), q.dtype, _keeps(q, keep_states), types)
     return _with_states(out, keep_states)
+
+
+def _heads(conv_out: mx.array, heads: tuple) -> tuple[mx.array, mx.array, mx.array]:
+    """q, k [B, T, Hk, Dk] and v [B, T, Hv, Dv]: views of conv_out [B, T, 2 Hk Dk + Hv Dv]."""
+    Hk, Dk, Hv, Dv = heads
+    B, T, _ = conv_out.shape
+    q, k, v = mx.split(conv_out, [Hk * Dk, 2 * Hk * Dk], axis=-1)
+    return q.reshape(B, T, Hk, Dk), k.reshape(B, T, Hk, Dk), v.reshape(B, T, Hv, Dv)
+
+
+def _conv_then_delta(conv, delta, qkv, window, conv_w, a, b, A_log, dt_bias, state, heads,
+                     keep_states: bool):  # fmt: skip
+    out, inputs, new_window = conv(qkv, window, conv_w)
+    q, k, v = _heads(out, heads)
+    y, state, states = delta(q, k, v, a, b, A_log, dt_bias, state, keep_states=keep_states)
+    return y, state, states, inputs, new_window
+
+
+def gated_delta_conv_ops(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, *,
+                         keep_states: bool = False):  # fmt: skip
+    """Ops reference of the layer from its conv inputs: ``conv_silu_ops``, then
+    ``gated_delta_raw_ops``.
+
+    qkv [B, T, NC] (the input projection's q, k and v channels, NC = 2 Hk Dk + Hv Dv); window
+    [B, K-1, NC]; conv_w [NC, K, 1]; a, b [B, T, Hv]; A_log, dt_bias [Hv]; state [B, Hv, Dv, Dk]
+    float32; heads (Hk, Dk, Hv, Dv). Returns y [B, T, Hv, Dv], the final state, the states as
+    ``gated_delta_ops`` does, the window and inputs [B, K-1+T, NC] and the new window
+    [B, K-1, NC].
+    """
+    return _conv_then_delta(conv_silu_ops, gated_delta_raw_ops, qkv, window, conv_w, a, b,
+                            A_log, dt_bias, state, heads, keep_states)  # fmt: skip
+
+
+def gated_delta_conv_native(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, *,
+                            keep_states: bool = False):  # fmt: skip
+    """The native kernel with the convolution and the gating folded in (same contract as
+    ``gated_delta_conv_ops``); None where there is none."""
+    B, T, NC = qkv.shape
+    keep = keep_states and T > 1
+    kernel = _kernel(keep, raw=True, conv=True)
+    if kernel is None:
+        return None
+    K = conv_w.shape[1]
+    inputs = [qkv, window, mx.contiguous(conv_w.reshape(NC, K)), a.astype(qkv.dtype),
+              b.astype(qkv.dtype), mx.contiguous(A_log), mx.contiguous(dt_bias),
+              state.astype(mx.float32)]  # fmt: skip
+    # in the name: they type the signature
+    types = [("AT", A_log.dtype), ("DT", dt_bias.dtype), ("WT", conv_w.dtype)]
+    out = _launch(kernel, inputs, (B, T, *heads), qkv.dtype, keep, types, conv_width=K)
+    return (*_with_states(out, keep_states), out[-2], out[-1])
 
 
 def _random_inputs(dtype, hk: int, hv: int, dk: int, dv: int, T: int = 3):
@@ -394,7 +535,8 @@ def _views(xs: tuple) -> list[mx.array]:
 
 def _compare(got, want, dtype) -> str | None:
     tol = 1e-2 if dtype != mx.float32 else 1e-4
-    for name, a, b in zip(("y", "state", "states"), got, want, strict=True):
+    names = ("y", "state", "states", "conv inputs", "conv window")[: len(want)]
+    for name, a, b in zip(names, got, want, strict=True):
         a, b = a.astype(mx.float32), b.astype(mx.float32)
         if not mx.allclose(a, b, rtol=tol, atol=tol).item():
             return f"{name} differs by up to {mx.abs(a - b).max().item():.3g}"
@@ -412,12 +554,19 @@ def _self_check(dtype, hk: int, hv: int, dk: int, dv: int) -> str | None:
     return _compare(got, want, dtype)
 
 
-def _self_check_raw(dtype, hk: int, hv: int, dk: int, dv: int, gate_dtypes) -> str | None:
-    q, k, v, g, beta, state = _random_inputs(dtype, hk, hv, dk, dv)
-    q, k = q * 3.0, k * 3.0  # not normalised: the kernel must normalise them
+def _raw_gates(g, beta, dtype, hv: int, gate_dtypes) -> tuple:
+    """A layer's raw a, b [B, T, Hv] (views into one buffer) and A_log, dt_bias [Hv] from
+    test gates g, beta: a spread that exercises softplus and sigmoid."""
     b, a = _views(((beta * 6.0 - 3.0).astype(dtype), (g * 4.0 - 3.0).astype(dtype)))
     A_log = mx.linspace(-2.0, 1.0, hv).astype(gate_dtypes[0])
     dt_bias = mx.linspace(-1.0, 1.0, hv).astype(gate_dtypes[1])
+    return a, b, A_log, dt_bias
+
+
+def _self_check_raw(dtype, hk: int, hv: int, dk: int, dv: int, gate_dtypes) -> str | None:
+    q, k, v, g, beta, state = _random_inputs(dtype, hk, hv, dk, dv)
+    q, k = q * 3.0, k * 3.0  # not normalised: the kernel must normalise them
+    a, b, A_log, dt_bias = _raw_gates(g, beta, dtype, hv, gate_dtypes)
     try:
         got = gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state, keep_states=True)
         q2, k2 = normalize_qk(q, k, inv_scale=dk**-0.5, eps=1e-6)
@@ -429,9 +578,38 @@ def _self_check_raw(dtype, hk: int, hv: int, dk: int, dv: int, gate_dtypes) -> s
     return _compare(got, want, dtype)
 
 
-def _native_shape(k, v) -> bool:
-    Hk, Dk, Hv, Dv = k.shape[2], k.shape[3], v.shape[2], v.shape[3]
+def _conv_inputs(dtype, heads: tuple, K: int, w_dtype, T: int = 3) -> tuple:
+    """qkv [1, T, NC] as a view into a wider projection output, a conv window [1, K-1, NC] as
+    a view into a verify's inputs (as a rollback leaves it), and a conv weight [NC, K, 1]."""
+    Hk, Dk, Hv, Dv = heads
+    NC = 2 * Hk * Dk + Hv * Dv
+    kx, kc, kw = mx.random.split(mx.random.key(2468), 3)
+    whole = mx.random.normal((1, T, NC + 64), key=kx).astype(dtype)  # [1, T, NC + 64]
+    inputs = mx.random.normal((1, K + 1, NC), key=kc).astype(dtype)  # [1, K-1 + 2, NC]
+    conv_w = (mx.random.normal((NC, K, 1), key=kw) * 0.5).astype(w_dtype)
+    return whole[..., 32 : 32 + NC], inputs[:, 2:], conv_w
+
+
+def _self_check_conv(dtype, heads: tuple, K: int, w_dtype, gate_dtypes) -> str | None:
+    Hk, Dk, Hv, Dv = heads
+    qkv, window, conv_w = _conv_inputs(dtype, heads, K, w_dtype)
+    *_, g, beta, state = _random_inputs(dtype, Hk, Hv, Dk, Dv)
+    args = (qkv, window, conv_w, *_raw_gates(g, beta, dtype, Hv, gate_dtypes), state, heads)
+    try:
+        got = gated_delta_conv_native(*args, keep_states=True)
+        want = gated_delta_conv_ops(*args, keep_states=True)
+        mx.eval(got, want)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
+        return f"{type(e).__name__}: {e}"
+    return _compare(got, want, dtype)
+
+
+def _native_dims(Hk: int, Dk: int, Hv: int, Dv: int) -> bool:
     return backend() != "cpu" and Dk % 32 == 0 and Hv % Hk == 0 and Dv % _WARPS == 0
+
+
+def _native_shape(k, v) -> bool:
+    return _native_dims(k.shape[2], k.shape[3], v.shape[2], v.shape[3])
 
 
 def gated_delta(q, k, v, g, beta, state, *, keep_states: bool = False):
@@ -462,3 +640,34 @@ def gated_delta_raw(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bool =
         if out is not None:
             return out
     return gated_delta_raw_ops(q, k, v, a, b, A_log, dt_bias, state, keep_states=keep_states)
+
+
+# The convolution folded into the gated-delta kernel (False: its own launch first; the bench's
+# A/B arm ``ours_conv_apart``).
+FUSE_CONV = True
+
+
+def gated_delta_conv(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, *,
+                     keep_states: bool = False):  # fmt: skip
+    """The layer's convolution and recurrence (see ``gated_delta_conv_ops``) on the best
+    trusted path: one launch where the folded kernel is trusted, else the convolution's and
+    the recurrence's own best paths."""
+    K = conv_w.shape[1]
+    NC = 2 * heads[0] * heads[1] + heads[2] * heads[3]
+    dtypes = (qkv.dtype, conv_w.dtype, A_log.dtype, dt_bias.dtype)
+    if (
+        FUSE_CONV
+        and _native_dims(*heads)
+        and conv_w.shape == (NC, K, 1)
+        and use_native(
+            "gated_delta_conv",
+            (backend(), *map(str, dtypes), *heads, K),
+            lambda: _self_check_conv(qkv.dtype, heads, K, conv_w.dtype, dtypes[2:]),
+        )
+    ):
+        out = gated_delta_conv_native(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads,
+                                      keep_states=keep_states)  # fmt: skip
+        if out is not None:
+            return out
+    return _conv_then_delta(conv_silu, gated_delta_raw, qkv, window, conv_w, a, b, A_log,
+                            dt_bias, state, heads, keep_states)  # fmt: skip

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu as _swiglu
 
-from . import available, backend, built, changed, kernel_name, spell, use_native
+from . import available, backend, built, changed, kernel_name, launch_bounds, spell, use_native
 
 MAX_ROWS = 8  # the mma's n dimension
 WARPS = 8  # split-K warps per 16-row tile, reduced in a fixed order
@@ -607,15 +607,6 @@ def _build_metal(variant: Variant):
     if not available("metal"):
         return None
     return mx.fast.metal_kernel(**_spec(True, "", variant))
-
-
-def launch_bounds(warps: int, min_blocks: int) -> str:
-    """A header tail that gives the kernel CUDA launch bounds: ``min_blocks`` blocks of
-    ``warps`` warps must fit a multiprocessor, so ptxas caps the registers a thread (at 5
-    blocks of 8 warps, 51). MLX writes the kernel's signature after the header, so the bounds
-    ride on ``__global__``."""
-    return (f"#undef __global__\n#define __global__ __location__(global) "
-            f"__launch_bounds__({32 * warps}, {min_blocks})\n")  # fmt: skip
 
 
 # The norm and swiglu variants take 66-68 registers unbounded (3 blocks of 8 warps a

@@ -23,9 +23,8 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from .. import kernels
 from ..config import ModelConfig
 from ..kernels import quantized_matmul
-from ..kernels.conv_window import conv_silu
 from ..kernels.decode_attention import MAX_T, Rope, decode_attention
-from ..kernels.gated_delta import gated_delta_raw
+from ..kernels.gated_delta import gated_delta_conv
 from ..kernels.gated_norm import gated_norm
 from ..kernels.quantized_matmul import FusedProjection, NormBegun, residual_of
 from ..weights import load_arrays, load_module_weights
@@ -135,16 +134,14 @@ def _gated_delta(m: qwen3_5.GatedDeltaNet, h, norm, conv_state, state, keep: boo
         qkv, z = m.in_proj_qkv(x), m.in_proj_z(x)  # [B, S, C], [B, S, Hv * Dv]
         b, a = m.in_proj_b(x), m.in_proj_a(x)  # [B, S, Hv]
     z = z.reshape(B, S, m.num_v_heads, m.head_v_dim)
-    # [B, S, C], the window and inputs [B, K-1+S, C], the new window [B, K-1, C]: one launch
-    # where a native kernel runs
-    conv_out, conv_input, window = conv_silu(qkv, conv_state, m.conv1d.weight)
-    q, k, v = mx.split(conv_out, [m.key_dim, 2 * m.key_dim], axis=-1)
-    q = q.reshape(B, S, m.num_k_heads, m.head_k_dim)
-    k = k.reshape(B, S, m.num_k_heads, m.head_k_dim)
-    v = v.reshape(B, S, m.num_v_heads, m.head_v_dim)
-    # q/k normalisation, the decay and beta (mlx-lm's), then the recurrence: one launch where
-    # a native kernel runs. Its T steps equal T one-step calls bitwise (chain parity).
-    y, state, states = gated_delta_raw(q, k, v, a, b, m.A_log, m.dt_bias, state, keep_states=keep)
+    # The conv and SiLU, the q/k normalisation, the decay and beta (mlx-lm's), then the
+    # recurrence: one launch where the native kernel runs. Its T steps equal T one-step calls
+    # bitwise (chain parity). y [B, S, Hv, Dv]; the window and inputs [B, K-1+S, C] and the
+    # new window [B, K-1, C].
+    heads = (m.num_k_heads, m.head_k_dim, m.num_v_heads, m.head_v_dim)
+    y, state, states, conv_input, window = gated_delta_conv(
+        qkv, conv_state, m.conv1d.weight, a, b, m.A_log, m.dt_bias, state, heads, keep_states=keep
+    )
     # mlx-lm's gated norm (m.norm), then the out projection and the residual: a launch each
     # where our kernels run
     normed = gated_norm(y, z, m.norm.weight, m.norm.eps)  # [B, S, Hv, Dv]
