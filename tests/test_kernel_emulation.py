@@ -744,10 +744,11 @@ def test_emulated_folded_conv_kernel_keeps_chain_parity():
     [
         ("kk_ < CK;", "kk_ < CK - 1;", 0),  # the conv drops its newest input
         ("hv * Dv + dv;", "hv * Dv;", 0),  # every warp convolves the head's first value rows
+        ("vw[r][k] = vw[r][k + 1];", ";", 0),  # the value rows' window never slides
         ("if ((j) >= T)", "if ((j) > T)", 4),  # the new window loses its oldest row
         ("(Hk - 1) * Dk + hk * Dk)", "hk * Dk)", 3),  # k's inputs kept over q's
     ],
-    ids=["conv_taps", "value_rows", "window", "k_inputs"],
+    ids=["conv_taps", "value_rows", "value_window", "window", "k_inputs"],
 )
 def test_emulation_catches_a_broken_folded_conv(old, new, output):
     """Each of these mistakes changes the output it touches."""

@@ -137,7 +137,7 @@ _TEMPLATE = """
           qn[i] = qk_sh[j][0][lane * NPT + i];
           kn[i] = qk_sh[j][1][lane * NPT + i];
         }
-        for (int r = 0; r < R; ++r) vt[r] = xv[r];
+        V_TAKE
         if (t + 1 < T) {  // the next step's v, loaded while this step runs
           for (int r = 0; r < R; ++r) V_LOAD(xv[r], r, t + 1);
         }
@@ -247,6 +247,7 @@ _READ = {
         const auto st = isq ? q_strides[3] : k_strides[3];
         for (int i = 0; i < NPT; ++i) x[i] = static_cast<float>(src[i * st]);""",
     "CONV_COPY": "",
+    "V_TAKE": "for (int r = 0; r < R; ++r) vt[r] = xv[r];",
 }
 # The "conv" variant (a raw one) reads the input projection's qkv [B, T, NC], the conv window
 # [B, CK-1, NC] and the conv weight [NC, CK] instead, and makes each q, k and v value with the
@@ -273,26 +274,41 @@ _CONV_READ = {
             * static_cast<float>(CONV_IN(c, (t) - TW + kk_)); \\
       const float h_ = RD(acc_); \\
       dst = RD(h_ * RD(1.0f / (1.0f + expf(-h_)))); }
-    #define V_LOAD(dst, r, t) CONV_SILU(dst, cv + (r), t)""",
+    #define V_LOAD(dst, r, t) dst = static_cast<float>(x_[(t) * xs + (cv + (r)) * xc])""",
     "QK_LOAD": """const int c0 = (isq ? 0 : Hk * Dk) + hk * Dk + lane * NPT;  // the lane's first
         for (int i = 0; i < NPT; ++i) CONV_SILU(x[i], c0 + i, t0 + j);""",
+    # The conv's other outputs, one (channel, slot) a thread: the warps' value rows, then
+    # key head hk's q and k channels spread over the threadgroups of its value heads. Then
+    # each warp's value rows: their conv weights and window in registers.
     "CONV_COPY": """{
       #define CONV_KEEP(c, j) { \\
         const InT in_ = CONV_IN(c, (j) - TW); \\
         inputs[((size_t)b * (TW + T) + (j)) * NC + (c)] = in_; \\
         if ((j) >= T) window_out[((size_t)b * TW + (j) - T) * NC + (c)] = in_; }
-      for (int r = 0; r < R; ++r) {
-        for (int j = lane; j < TW + T; j += 32) CONV_KEEP(cv + r, j);
-      }
-      // key head hk's q and k channels, spread over the threadgroups of its value heads
+      for (int u = lane; u < R * (TW + T); u += 32) CONV_KEEP(cv + u / (TW + T), u % (TW + T));
       const int per = Dv / (R * WARPS);  // threadgroups a value head spans
       const int g = (hv % (Hv / Hk)) * per + dv / (R * WARPS);
       const int step = (Hv / Hk) * per * 32 * WARPS;
-      for (int cc = g * 32 * WARPS + warp * 32 + lane; cc < 2 * Dk; cc += step) {
+      for (int u = g * 32 * WARPS + warp * 32 + lane; u < 2 * Dk * (TW + T); u += step) {
+        const int cc = u % (2 * Dk);
         const int c = (cc < Dk ? hk * Dk : (Hk - 1) * Dk + hk * Dk) + cc;
-        for (int j = 0; j < TW + T; ++j) CONV_KEEP(c, j);
+        CONV_KEEP(c, u / (2 * Dk));
       }
+    }
+    float vk[R][CK], vw[R][CK];  // value rows' conv weights, and inputs from step t - TW
+    for (int r = 0; r < R; ++r) {
+      for (int k = 0; k < CK; ++k) vk[r][k] = static_cast<float>(conv_w[(cv + r) * CK + k]);
+      for (int k = 0; k < TW; ++k) vw[r][k] = static_cast<float>(CONV_IN(cv + r, k - TW));
     }""",
+    # step t's value inputs (loaded during step t - 1) through the conv, the window slid on
+    "V_TAKE": """for (int r = 0; r < R; ++r) {
+          vw[r][TW] = xv[r];
+          float acc_ = 0.0f;
+          for (int k = 0; k < CK; ++k) acc_ = acc_ + vk[r][k] * vw[r][k];
+          const float h_ = RD(acc_);
+          vt[r] = RD(h_ * RD(1.0f / (1.0f + expf(-h_))));
+          for (int k = 0; k < TW; ++k) vw[r][k] = vw[r][k + 1];
+        }""",
 }
 _INPUTS = {
     False: ["q", "k", "v", "g", "beta", "state_in"],
@@ -313,10 +329,10 @@ def _source(metal: bool, keep: bool, raw: bool, conv: bool = False) -> str:
     return spell(source.replace("THREAD_INDICES", _THREAD_INDICES[metal]), metal)
 
 
-# The conv variant takes 94-102 registers unbounded: 5 threadgroups a multiprocessor, 660 on
-# the H200, fewer than a 27B layer's 768 (B = 1). Bounded to 7, ptxas fits it in 72 without
-# spills (tests/test_cuda_compile.py), and a layer's threadgroups run in one wave.
-CONV_MIN_BLOCKS = 7
+# The conv variant takes 109-115 registers unbounded: 4 threadgroups a multiprocessor, 528 on
+# the H200, fewer than a 27B layer's 768 (B = 1). Bounded to 6 (792), ptxas fits it in 72-78
+# without spills (tests/test_cuda_compile.py), and a layer's threadgroups run in one wave.
+CONV_MIN_BLOCKS = 6
 
 
 def _spec(metal: bool, keep: bool, raw: bool, conv: bool = False) -> dict:
