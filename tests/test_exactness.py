@@ -276,6 +276,39 @@ def test_broken_rollback_breaks_exactness(load, monkeypatch, fault):
     assert diverged, f"disabling {fault} went unnoticed"
 
 
+def test_the_folded_conv_kernel_runs_every_gated_delta_layer(load, monkeypatch, pretend_gpu):
+    """Where the gated-delta kernel makes the convolution itself (a GPU), decode steps and
+    verify blocks run it, and their windows and states carry on from it: here a stand-in
+    computing the reference, so MTP still equals classic."""
+    from mtpcli.kernels import gated_delta as gd
+
+    loaded = load(bits=4)
+    calls = []
+
+    def native(qkv, *args, keep_states=False):
+        calls.append((qkv.shape[1], keep_states))
+        return gd.gated_delta_conv_ops(qkv, *args, keep_states=keep_states)
+
+    kernels.reset_verdicts()
+    pretend_gpu(gd, "gated_delta_conv_native", native)
+    policy = target_mod.RowPolicy()  # blocks compared with single steps afresh
+    monkeypatch.setattr(loaded.target, "policy", policy)
+    try:
+        prompt = PROMPTS[1]
+        assert _mtp(loaded, prompt, 24, 4) == _classic(loaded, prompt, 24)
+        # traced (or run op by op) for a decode step and a 4-token verify block
+        assert (1, False) in calls and (4, True) in calls
+        # and the blocks' outputs, the conv's included, equalled the single steps': they ran
+        linear = {policy.signature(ly) for ly in loaded.target.layers if ly.is_linear}
+        verdicts = [
+            ok for key, ok in policy.verdicts.items() if key[:2] in {(s, 4) for s in linear}
+        ]
+        assert verdicts and all(verdicts)
+    finally:
+        monkeypatch.undo()
+        kernels.reset_verdicts()  # and retrace the layer functions without the stand-in
+
+
 def test_eos_and_max_tokens_stop_both_engines(load):
     loaded = load()
     prompt = PROMPTS[1]
