@@ -74,23 +74,31 @@ def gated_delta_alone(
     compiled: bool = False,
     keep: bool | None = None,
     chain: int = 1,
+    conv: bool = False,
 ) -> dict:
     """The whole gated-delta part of a layer from its raw inputs (q/k normalisation, decay,
     beta, recurrence, per-step states when T > 1 unless ``keep`` says otherwise), over
-    ``layers`` layers. Op by op, 48 small launches are bounded by the host; ``compiled``
-    builds them as one compiled call, as the model's compiled layer functions do, so the
-    device time shows. ``chain`` passes run back to back (each from the last one's states)
-    per timed sample, and the time is per pass: less host noise per figure."""
+    ``layers`` layers; with ``conv`` from the conv's inputs (the window convolution too, as
+    the model runs it: one launch natively). Op by op, 48 small launches are bounded by the
+    host; ``compiled`` builds them as one compiled call, as the model's compiled layer
+    functions do, so the device time shows. ``chain`` passes run back to back (each from the
+    last one's states) per timed sample, and the time is per pass: less host noise."""
     keep = T > 1 if keep is None else keep
     B, hk, hv, dk, dv = 1, 16, 48, 128, 128
+    heads, nc = (hk, dk, hv, dv), 2 * hk * dk + hv * dv
     q = mx.random.normal((B, T, hk, dk)).astype(mx.bfloat16)
     k = mx.random.normal((B, T, hk, dk)).astype(mx.bfloat16)
     v = mx.random.normal((B, T, hv, dv)).astype(mx.bfloat16)
+    qkv = mx.random.normal((B, T, nc)).astype(mx.bfloat16)  # [B, T, NC]: the conv's inputs
+    conv_w = (mx.random.normal((nc, 4, 1)) * 0.5).astype(mx.bfloat16)
     a = mx.random.normal((B, T, hv)).astype(mx.bfloat16)
     b = mx.random.normal((B, T, hv)).astype(mx.bfloat16)
     A_log, dt_bias = mx.zeros((hv,)), mx.ones((hv,), dtype=mx.bfloat16)
     states = [mx.random.normal((B, hv, dv, dk)) * 0.1 for _ in range(layers)]
-    mx.eval(q, k, v, a, b, states)
+    # what each layer carries from pass to pass: its state, and with conv its window
+    carried = [x for s in states for x in ((s, mx.zeros((B, 3, nc), mx.bfloat16)) if conv
+                                           else (s,))]  # fmt: skip
+    mx.eval(q, k, v, qkv, conv_w, a, b, carried)
     if native and gd.gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, states[0]) is None:
         return {}
 
@@ -100,18 +108,31 @@ def gated_delta_alone(
         g, beta = compute_g(A_log, args[3], dt_bias), mx.sigmoid(args[4])
         return gd.gated_delta_ops(qn, kn, args[2], g, beta, args[7], keep_states=keep_states)
 
-    fn = gd.gated_delta_raw_native if native else ops
+    def layer(q, k, v, qkv, a, b, s, window=None):
+        """One layer: what it carries on, and all it outputs."""
+        if conv:
+            if native:
+                out = gd.gated_delta_conv_native(qkv, window, conv_w, a, b, A_log, dt_bias, s,
+                                                  heads, keep_states=keep)  # fmt: skip
+            else:  # mlx-lm's convolution ops first
+                out = gd._conv_then_delta(cw.conv_silu_ops, ops, qkv, window, conv_w, a, b,
+                                          A_log, dt_bias, s, heads, keep)  # fmt: skip
+            return (out[1], out[4]), [x for x in out if x is not None]
+        fn = gd.gated_delta_raw_native if native else ops
+        out = fn(q, k, v, a, b, A_log, dt_bias, s, keep_states=keep)
+        return (out[1],), [x for x in out if x is not None]
 
-    def every_layer(q, k, v, a, b, *states):
-        outs = [fn(q, k, v, a, b, A_log, dt_bias, s, keep_states=keep) for s in states]
-        return [out[1] for out in outs], [x for out in outs for x in out if x is not None]
+    def every_layer(q, k, v, qkv, a, b, *flat):
+        n = 2 if conv else 1
+        outs = [layer(q, k, v, qkv, a, b, *flat[i : i + n]) for i in range(0, len(flat), n)]
+        return [x for c, _ in outs for x in c], [x for _, o in outs for x in o]
 
     call = mx.compile(every_layer) if compiled else every_layer
 
     def run():
-        s, kept = states, []
+        c, kept = carried, []
         for _ in range(chain):
-            s, out = call(q, k, v, a, b, *s)
+            c, out = call(q, k, v, qkv, a, b, *c)
             kept += out
         mx.eval(kept)
 
@@ -386,7 +407,10 @@ def main() -> None:
                        T, True, r, compiled=True, keep=False, chain=8),
                    "ours_compiled_x8_one_layer": gated_delta_alone(
                        T, True, r, layers=1, compiled=True, chain=8),
-                   "mlx_lm_ops": gated_delta_alone(T, False, r)}
+                   "ours_conv_compiled_x8": gated_delta_alone(
+                       T, True, r, compiled=True, chain=8, conv=True),
+                   "mlx_lm_ops": gated_delta_alone(T, False, r),
+                   "mlx_lm_ops_with_conv": gated_delta_alone(T, False, r, conv=True)}
                for T in TS}  # fmt: skip
         res = {"device": _device(), "mlx": mx.__version__, "gated_delta_48_layers_ms": res,
                "load_before": load_before, "load_after": os.getloadavg()}  # fmt: skip
