@@ -267,13 +267,16 @@ _CONV_READ = {
     const int cv = 2 * Hk * Dk + hv * Dv + dv;  // the warp's first value channel
     // channel c's input at step s (the window's for s < 0)
     #define CONV_IN(c, s) ((s) < 0 ? w_[((s) + TW) * ws + (c) * wc] : x_[(s) * xs + (c) * xc])
+    // the conv's sum rounded to the input dtype, then SiLU as MLX's x * sigmoid(x) rounds
+    #define CONV_ACT(dst, acc) { \\
+      const float h_ = RD(acc); \\
+      dst = RD(h_ * RD(1.0f / (1.0f + expf(-h_)))); }
     #define CONV_SILU(dst, c, t) { \\
       float acc_ = 0.0f; \\
       for (int kk_ = 0; kk_ < CK; ++kk_) \\
         acc_ = acc_ + static_cast<float>(conv_w[(c) * CK + kk_]) \\
             * static_cast<float>(CONV_IN(c, (t) - TW + kk_)); \\
-      const float h_ = RD(acc_); \\
-      dst = RD(h_ * RD(1.0f / (1.0f + expf(-h_)))); }
+      CONV_ACT(dst, acc_); }
     #define V_LOAD(dst, r, t) dst = static_cast<float>(x_[(t) * xs + (cv + (r)) * xc])""",
     "QK_LOAD": """const int c0 = (isq ? 0 : Hk * Dk) + hk * Dk + lane * NPT;  // the lane's first
         for (int i = 0; i < NPT; ++i) CONV_SILU(x[i], c0 + i, t0 + j);""",
@@ -305,8 +308,7 @@ _CONV_READ = {
           vw[r][TW] = xv[r];
           float acc_ = 0.0f;
           for (int k = 0; k < CK; ++k) acc_ = acc_ + vk[r][k] * vw[r][k];
-          const float h_ = RD(acc_);
-          vt[r] = RD(h_ * RD(1.0f / (1.0f + expf(-h_))));
+          CONV_ACT(vt[r], acc_);
           for (int k = 0; k < TW; ++k) vw[r][k] = vw[r][k + 1];
         }""",
 }
@@ -428,9 +430,10 @@ def _dims(q, v) -> tuple:
     return (*q.shape, *v.shape[2:])
 
 
-def _keeps(q, keep_states: bool) -> bool:
-    """Whether the launch writes per-step states (a one-step block has none to write)."""
-    return keep_states and q.shape[1] > 1
+def _keeps(x, keep_states: bool) -> bool:
+    """Whether the launch writes per-step states (a one-step block has none to write); x is
+    any input [B, T, ...]."""
+    return keep_states and x.shape[1] > 1
 
 
 def _with_states(out: list, keep_states: bool):
@@ -511,7 +514,7 @@ def gated_delta_conv_native(qkv, window, conv_w, a, b, A_log, dt_bias, state, he
     """The native kernel with the convolution and the gating folded in (same contract as
     ``gated_delta_conv_ops``); None where there is none."""
     B, T, NC = qkv.shape
-    keep = keep_states and T > 1
+    keep = _keeps(qkv, keep_states)
     kernel = _kernel(keep, raw=True, conv=True)
     if kernel is None:
         return None
