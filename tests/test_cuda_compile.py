@@ -102,9 +102,10 @@ def test_convolution_kernel_compiles_without_spills(tmp_path):
 
 VARIANTS = [qm.PLAIN, qm.Variant(residual=True), qm.Variant(1e-6), qm.Variant(swiglu=True),
             qm.Variant(1e-6, swiglu=True), qm.Variant(residual=True, emits=True),
-            qm.Variant(sums_eps=1e-6), qm.Variant(swiglu=True, sums_eps=1e-6)]  # fmt: skip
+            qm.Variant(sums_eps=1e-6), qm.Variant(swiglu=True, sums_eps=1e-6),
+            qm.Variant(gate_eps=1e-6, residual=True)]  # fmt: skip
 VARIANT_IDS = ["plain", "residual", "norm", "swiglu", "norm_swiglu", "residual_emits", "sums",
-               "sums_swiglu"]  # fmt: skip
+               "sums_swiglu", "gated_residual"]  # fmt: skip
 
 
 def _product(variant: qm.Variant, xt: str, bits: int, group_size: int = 64,
@@ -116,8 +117,10 @@ def _product(variant: qm.Variant, xt: str, bits: int, group_size: int = 64,
     types |= {"norm_w": xt} if variant.norm_eps is not None or variant.emits else {}
     types |= {"x_sums": "float"} if variant.sums_eps is not None else {}
     types |= {"residual": xt} if variant.residual else {}
+    types |= {"z": xt, "gate_w": xt} if variant.gate_eps is not None else {}
     outputs = {"y": xt} | ({"y_w": xt, "y_sums": "float"} if variant.emits else {})
     constants = {"XT": xt, "ST": xt, "BITS": bits, "GS": group_size, "WARPS": qm.WARPS}
+    constants |= {"Z_OFF": 10240} if variant.gate_eps is not None else {}
     return _wrap(qm.source(False, variant), header, types, outputs, constants)
 
 

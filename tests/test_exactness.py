@@ -166,10 +166,10 @@ def test_row_policy_catches_an_op_that_is_not_row_invariant(load, monkeypatch):
     out_proj = target.layers[0].linear_attn.out_proj
     original = qm.linear_add
 
-    def skewed(layer, x, residual, then=None):  # a kernel that switches with the row count
+    def skewed(layer, x, residual, then=None, gate=None):  # switches with the row count
         if layer is not out_proj:
-            return original(layer, x, residual, then)
-        return original(layer, x, residual) + 1e-2 * (x.shape[1] > 1)  # (no norm begun)
+            return original(layer, x, residual, then, gate)
+        return original(layer, x, residual, gate=gate) + 1e-2 * (x.shape[1] > 1)  # no norm begun
 
     monkeypatch.setattr(qm, "linear_add", skewed)
     monkeypatch.setattr(target, "policy", RowPolicy())

@@ -93,7 +93,7 @@ def test_emulated_kernel_matches_the_reference(metal):
 @pytest.mark.parametrize(
     "mistake",
     [
-        ("off > 0; off >>= 1", "off > 1; off >>= 1"),  # half the lanes' squares
+        ("off < 32; off <<= 1", "off < 16; off <<= 1"),  # half the lanes' squares
         ("b * z_strides[0]", "b * y_strides[0]"),  # z read through y's strides
         ("(1.0f + expf(-g))", "(1.0f + expf(g))"),  # the wrong gate
     ],
@@ -146,14 +146,16 @@ def test_a_wrong_kernel_is_refused_with_a_warning(pretend_gpu, wrong):
 
 
 def test_the_model_runs_the_layer_norm_through_it(monkeypatch, tiny_mixer):
-    """The gated-delta layer's norm goes through ``gated_norm`` (on the CPU: mlx-lm's ops, so
-    the mlx-lm parity tests cover it): a wrong result there changes the layer's output."""
+    """The gated-delta layer's norm goes through ``gated_norm`` where the out projection does
+    not take it in its launch (on the CPU: mlx-lm's ops, so the mlx-lm parity tests cover it):
+    a wrong result there changes the layer's output."""
+    from mtpcli.kernels import quantized_matmul as qm
     from mtpcli.models import qwen3_5 as tm
 
     m, x, conv_state, state, want = tiny_mixer
     got = tm._gated_delta(m, x, lambda h: h, conv_state, state, keep=False)[0]
     assert mx.allclose(got, want, atol=1e-5).item()
-    monkeypatch.setattr(tm, "gated_norm", lambda *args: gn.gated_norm_ops(*args) * 1.01)
+    monkeypatch.setattr(qm, "gated_norm", lambda *args: gn.gated_norm_ops(*args) * 1.01)
     broken = tm._gated_delta(m, x, lambda h: h, conv_state, state, keep=False)[0]
     assert not mx.allclose(broken, want, atol=1e-5).item()
 

@@ -5,6 +5,8 @@ cover input-dtype rounding and codegen."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import cuda_emulation  # tests/cuda_emulation.py
 import mlx.core as mx
 import numpy as np
@@ -13,6 +15,7 @@ from mlx_lm.models.activations import swiglu
 
 from mtpcli.kernels import conv_window as cw
 from mtpcli.kernels import gated_delta as gd
+from mtpcli.kernels import gated_norm as gn
 from mtpcli.kernels import quantized_matmul as qm
 
 pytestmark = pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++")
@@ -233,20 +236,23 @@ def _outputs(variant: qm.Variant, m: int, n: int) -> dict:
 def _metal_qmm(x: np.ndarray, w, scales, biases, group_size: int, bits: int,
                residual: np.ndarray | None = None, variant: qm.Variant = qm.PLAIN,
                norm_w: np.ndarray | None = None, source: str | None = None,
-               x_sums: np.ndarray | None = None):  # fmt: skip
-    """The Metal product's y, or with ``variant.emits`` all its outputs (a dict)."""
+               x_sums: np.ndarray | None = None, gate: tuple | None = None):  # fmt: skip
+    """The Metal product's y, or with ``variant.emits`` all its outputs (a dict); ``gate``:
+    (z's source, z's offset, the norm's weight), float32 values."""
     n = w.shape[0]
     if residual is not None and not variant.residual:
-        variant = qm.Variant(variant.norm_eps, variant.swiglu, True)
+        variant = dataclasses.replace(variant, residual=True)
     _, groups = qm.launch_shape(n, variant.swiglu)
     extra = {"norm_w": norm_w} if norm_w is not None else {}
     extra |= {"x_sums": x_sums} if x_sums is not None else {}
     extra |= {"residual": residual} if residual is not None else {}
+    extra |= {"z": gate[0], "gate_w": gate[2]} if gate is not None else {}
     out = cuda_emulation.run(
         source or qm.source(True, variant),
         {"x": x, "w": w, "scales": scales, "biases": biases} | extra,
         _outputs(variant, x.shape[0], n),
-        {"XT": "float", "ST": "float", "BITS": bits, "GS": group_size, "WARPS": qm.WARPS},
+        {"XT": "float", "ST": "float", "BITS": bits, "GS": group_size, "WARPS": qm.WARPS}
+        | ({"Z_OFF": gate[1]} if gate is not None else {}),
         grid=(32 * qm.WARPS * groups, 1, 1),
         threadgroup=(32 * qm.WARPS, 1, 1),
     )
@@ -307,26 +313,29 @@ def _as_dequantized(x, w, scales, biases, group_size, bits) -> np.ndarray:
 
 def _cuda_qmm(x, w, scales, biases, group_size, bits, warps=qm.WARPS, residual=None,
               variant: qm.Variant = qm.PLAIN, norm_w=None, source: str | None = None,
-              x_sums: np.ndarray | None = None):  # fmt: skip
+              x_sums: np.ndarray | None = None, gate: qm.Gate | None = None):  # fmt: skip
     """The CUDA product's y, or with ``variant.emits`` all its outputs (a dict)."""
     n = w.shape[0]
     if residual is not None and not variant.residual:
-        variant = qm.Variant(variant.norm_eps, variant.swiglu, True)
+        variant = dataclasses.replace(variant, residual=True)
     _, groups = qm.launch_shape(n, variant.swiglu)
     extra = {"norm_w": _bits16(norm_w)} if norm_w is not None else {}
     extra |= {"x_sums": np.asarray(x_sums, np.float32)} if x_sums is not None else {}
     extra |= {"residual": _bits16(residual)} if residual is not None else {}
+    if gate is not None:
+        extra |= {"z": _bits16(gate.source), "gate_w": _bits16(gate.weight)}
     out = cuda_emulation.run(
         source or qm.source(False, variant),
         {"x": _bits16(x), "w": np.array(w), "scales": _bits16(scales), "biases": _bits16(biases)}
         | extra,
         _outputs(variant, x.shape[0], n),
         {"XT": "__nv_bfloat16", "ST": "__nv_bfloat16", "BITS": bits, "GS": group_size,
-         "WARPS": warps},
+         "WARPS": warps} | ({"Z_OFF": gate.offset} if gate is not None else {}),
         grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
         header=cuda_emulation.emulated_mma(qm._HEADER_CUDA),
-        types={"x": "XT", "scales": "ST", "biases": "ST", "residual": "XT", "norm_w": "XT"},
+        types={"x": "XT", "scales": "ST", "biases": "ST", "residual": "XT", "norm_w": "XT",
+               "z": "XT", "gate_w": "XT"},
     )  # fmt: skip
     return out if variant.emits else out["y"]
 
@@ -630,6 +639,96 @@ def test_emulated_metal_norm_in_two_launches():
     want = _metal_norm_reference(h2, nw2, w, scales, biases, 4)
     np.testing.assert_allclose(fin[8], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
     assert np.array_equal(fin[1], fin[8][:1]) and np.array_equal(fin[3], fin[8][:3])
+
+
+# The gated variant: the out projection of a gated-delta layer applies that layer's gated norm
+# (kernels/gated_norm.py) as it loads its input.
+GATED = qm.Variant(gate_eps=1e-6)
+
+
+def _gate_inputs(bits: int, seed: int, m: int = 8, k: int = 512, offset: int = 16):
+    """y [m, k] (k / D heads of D = 16 * 32 / bits values), a gate whose z is columns
+    [offset, offset + k) of a wider source, the norm's weight [D], and weights [40, k]; bf16."""
+    d = 16 * 32 // bits
+    ky, kz, kw = mx.random.split(mx.random.key(seed), 3)
+    y = (mx.random.normal((m, k), key=ky) * 2).astype(mx.bfloat16)
+    source = (mx.random.normal((m, k + 48), key=kz) * 3).astype(mx.bfloat16)
+    gw = mx.random.uniform(0.5, 1.5, (d,), key=kw).astype(mx.bfloat16)
+    weights = qm.random_quantized(40, k, 64, bits, mx.bfloat16, seed=seed + 1)
+    return y, qm.Gate(source, offset, gw, 1e-6), weights
+
+
+def _gated_norm_then(y, gate: qm.Gate, metal: bool = False) -> mx.array:
+    """The standalone gated-norm kernel (emulated) on y's heads: [m, k], as the product reads
+    its input (bf16; float32 values for Metal)."""
+    from test_gated_norm import _emulated  # tests/test_gated_norm.py
+
+    m, k = y.shape
+    d = gate.weight.shape[0]
+    z = gate.source[:, gate.offset : gate.offset + k]
+    out = _emulated(y.reshape(1, m, k // d, d), z.reshape(1, m, k // d, d), gate.weight, metal)
+    return mx.array(out.reshape(m, k)).astype(mx.float32 if metal else mx.bfloat16)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "add"])
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_emulated_cuda_gated_product_is_the_gated_norm_kernel_then_the_product(bits, residual):
+    """One launch gives the bits of the standalone gated-norm kernel followed by the product
+    (and the residual add): the fold changes no token. Rows M-invariant, bitwise; near
+    mlx-lm's gated norm times the weights as dequantized, in float64."""
+    y, gate, weights = _gate_inputs(bits, seed=100 + bits)
+    r = (mx.random.normal((8, 40), key=mx.random.key(7)) * 4).astype(mx.bfloat16)
+    add = {"residual": r} if residual else {}
+    want = _cuda_qmm(_gated_norm_then(y, gate), *weights, 64, bits, **add)
+    variant = dataclasses.replace(GATED, residual=residual)
+    got = {}
+    for m in (1, 3, 8):
+        gate_m = qm.Gate(gate.source[:m], gate.offset, gate.weight, gate.eps)
+        add_m = {"residual": r[:m]} if residual else {}
+        got[m] = _cuda_qmm(y[:m], *weights, 64, bits, variant=variant, gate=gate_m, **add_m)
+    assert np.array_equal(got[8], want)
+    assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
+    normed = gate.apply(y, gn.gated_norm_ops)
+    ref = _as_dequantized(normed, *weights, 64, bits) + (
+        np.array(r.astype(mx.float32)) if residual else 0
+    )
+    np.testing.assert_allclose(got[8], ref, rtol=2**-6, atol=1e-2 * np.abs(ref).max())
+
+
+BROKEN_GATES = [  # a mistake spliced into the gated variant's CUDA source
+    ("sq = sq + __shfl_xor_sync(0xffffffffu, sq, 2);", ""),  # half the head's squares
+    ("z_shape[1] + Z_OFF", "z_shape[1]"),  # z from the source's first columns
+    ("gate_w[d0 + 2 * i + e]", "gate_w[2 * i + e]"),  # the weight of the head's first values
+    ("(1.0f + expf(-gz))", "(1.0f + expf(gz))"),  # the wrong gate
+    ("p[v] = p[v] + p[v + off]", "p[v] = p[v] + p[v]"),  # a lane's squares added wrong
+]
+
+
+@pytest.mark.parametrize("mistake", BROKEN_GATES)
+def test_emulation_catches_a_broken_gated_product(mistake):
+    y, gate, weights = _gate_inputs(4, seed=110, m=3)
+    good = _cuda_qmm(y, *weights, 64, 4, variant=GATED, gate=gate)
+    text = qm.source(False, GATED)
+    assert text.count(mistake[0]) == 1
+    bad = _cuda_qmm(y, *weights, 64, 4, variant=GATED, gate=gate, source=text.replace(*mistake))
+    assert np.abs(bad - good).max() > 1e-2 * np.abs(good).max()
+
+
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_emulated_metal_gated_product_is_the_gated_norm_kernel_then_the_product(bits):
+    """The Metal mirror (float activations): the standalone kernel's Metal spelling, then the
+    Metal product, bitwise; rows M-invariant, bitwise."""
+    y, gate, weights = _gate_inputs(bits, seed=120 + bits)
+    w, scales, biases = weights
+    arrays = [np.array(w)] + [np.array(a.astype(mx.float32)) for a in (scales, biases)]
+    f32 = (y.astype(mx.float32), gate.source.astype(mx.float32), gate.weight.astype(mx.float32))
+    yf, gate = np.array(f32[0]), qm.Gate(f32[1], gate.offset, f32[2], gate.eps)
+    want = _metal_qmm(np.array(_gated_norm_then(f32[0], gate, metal=True)), *arrays, 64, bits)
+    got = {m: _metal_qmm(yf[:m], *arrays, 64, bits, variant=GATED,
+                         gate=(np.array(gate.source[:m]), gate.offset, np.array(gate.weight)))
+           for m in (1, 3, 8)}  # fmt: skip
+    assert np.array_equal(got[8], want)
+    assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
 
 
 # The gated-delta kernel with the convolution folded in ("conv" variant): it reads the input

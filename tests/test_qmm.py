@@ -9,6 +9,7 @@ import mlx.nn as nn
 import pytest
 
 from mtpcli import kernels
+from mtpcli.kernels import gated_norm as gn
 from mtpcli.kernels import quantized_matmul as qm
 
 cuda = pytest.mark.skipif(not kernels.available("cuda"), reason="needs MLX's CUDA backend")
@@ -193,7 +194,9 @@ def _stub_variants(native):
     options applied by the reference around ``native``'s product)."""
 
     def run(x, w, s, b, *, group_size, bits, residual=None, norm_weight=None, eps=1e-6,
-            swiglu=False, x_sums=None, next_norm=None):  # fmt: skip
+            swiglu=False, x_sums=None, next_norm=None, gate=None):  # fmt: skip
+        if gate is not None:
+            x = gate.apply(x, gn.gated_norm_ops)
         if norm_weight is not None:
             x = mx.fast.rms_norm(x, norm_weight, eps)
         y = native(x, w, s, b, group_size=group_size, bits=bits)
@@ -371,6 +374,109 @@ def test_a_residual_add_that_begins_a_wrong_norm_is_refused(monkeypatch):
     assert "norm_weight" in calls[-1]
 
 
+def _gate(m=3, k=1024, bits=4, offset=8, dtype=mx.bfloat16) -> qm.Gate:
+    """A gated-delta layer's norm for x [m, k]: z at column ``offset`` of a wider source, the
+    norm's weight over heads of 16 words' values (128 at 4 bits)."""
+    source = (mx.random.normal((m, k + 24), key=mx.random.key(90)) * 2).astype(dtype)
+    weight = mx.random.uniform(0.5, 1.5, (16 * 32 // bits,), key=mx.random.key(91))
+    return qm.Gate(source, offset, weight.astype(dtype), 1e-6)
+
+
+def test_the_gated_norm_rides_in_the_out_projections_launch(monkeypatch):
+    """``linear_add`` with a gate: one launch takes y, z's source and the norm's weight, and
+    gives the residual plus the product of mlx-lm's gated norm. With FUSE_GATE off the norm
+    runs in its own launch (``gated_norm``) first, the same values."""
+    calls = []
+
+    def native(x, *a, **kw):
+        calls.append(kw.get("gate"))
+        return _stub_variants(_reference_rows)(x, *a, **kw)
+
+    _pretend_gpu(monkeypatch, native)
+    x, w, s, b = _layer_inputs(m=3)
+    layer, gate = _linear(w, s, b), _gate()
+    h = mx.random.normal((3, 40), key=mx.random.key(5)).astype(mx.bfloat16)
+    y = qm.linear_add(layer, x, h, gate=gate)
+    assert calls[-1] is not None and calls[-1].weight is gate.weight and calls[-1].offset == 8
+    want = h + _reference_rows(gate.apply(x, gn.gated_norm_ops), w, s, b, group_size=64, bits=4)
+    assert mx.array_equal(y, want).item()
+    applied = []
+    monkeypatch.setattr(qm, "gated_norm", lambda *a: applied.append(1) or gn.gated_norm_ops(*a))
+    monkeypatch.setattr(qm, "FUSE_GATE", False)
+    assert mx.array_equal(qm.linear_add(layer, x, h, gate=gate), want).item()
+    assert calls[-1] is None and applied == [1]
+
+
+def test_a_gated_kernel_that_ignores_the_gate_is_refused(monkeypatch):
+    """A gated variant that forgets the norm fails its check; the norm then runs in its own
+    launch and the product (with the residual) natively, so the values are still right."""
+    plain = []
+
+    def native(x, *a, gate=None, **kw):  # forgets the gate
+        if gate is None:
+            plain.append(x.shape[0])
+        return _stub_variants(_reference_rows)(x, *a, **kw)
+
+    _pretend_gpu(monkeypatch, native)
+    x, w, s, b = _layer_inputs(m=3)
+    layer, gate = _linear(w, s, b), _gate()
+    h = mx.random.normal((3, 40), key=mx.random.key(5)).astype(mx.bfloat16)
+    with pytest.warns(RuntimeWarning, match="quantized_matmul_gated_add kernel disagrees"):
+        y = qm.linear_add(layer, x, h, gate=gate)
+    assert plain[-1] == 3
+    want = h + _reference_rows(gate.apply(x, gn.gated_norm_ops), w, s, b, group_size=64, bits=4)
+    assert mx.array_equal(y, want).item()
+
+
+def test_a_gate_whose_heads_are_not_a_stretch_runs_in_its_own_launch(monkeypatch):
+    """The fold needs heads of 16 words' values (128 at 4 bits); heads of 64 take the norm's
+    own launch, then the product."""
+    calls = []
+
+    def native(x, *a, **kw):
+        calls.append(kw.get("gate"))
+        return _stub_variants(_reference_rows)(x, *a, **kw)
+
+    _pretend_gpu(monkeypatch, native)
+    x, w, s, b = _layer_inputs(m=3)
+    g = _gate(bits=8)  # heads of 64
+    y = qm.quantized_matmul(x, w, s, b, group_size=64, bits=4, gate=g)
+    assert calls and all(c is None for c in calls)
+    want = _reference_rows(g.apply(x, gn.gated_norm_ops), w, s, b, group_size=64, bits=4)
+    assert mx.array_equal(y, want).item()
+
+
+def test_every_gated_delta_out_projection_takes_its_norm_in_its_launch(monkeypatch):
+    """The "tiny" synthetic model (value heads of 128 at 4 bits, as the 27B's), our product
+    native (a row-by-row stand-in): each gated-delta layer's out projection takes its gated
+    norm in its launch, in decode steps and verify blocks, and MTP equals classic; with
+    FUSE_GATE off no launch takes a gate and the tokens are the same."""
+    from mtpcli import synthetic
+    from mtpcli.engine.classic import generate_classic
+    from mtpcli.engine.mtp import generate_mtp
+
+    calls = []
+
+    def native(x, *a, **kw):
+        calls.append((x.shape[0], kw.get("gate") is not None))
+        return _stub_variants(_reference_rows)(x, *a, **kw)
+
+    _pretend_gpu(monkeypatch, native)
+    target, drafter = synthetic.build("tiny", bits=4)
+    prompt = [(i * 37) % 1000 for i in range(24)]
+    want = list(generate_classic(target, prompt, max_tokens=10))
+    gated_layers = sum(ly.is_linear for ly in target.layers)
+    assert gated_layers == 3 and calls.count((1, True)) >= gated_layers
+    calls.clear()
+    assert list(generate_mtp(target, drafter, prompt, block_size=3, max_tokens=10)) == want
+    assert any(rows > 1 and gated for rows, gated in calls)  # a verify block's
+    calls.clear()
+    monkeypatch.setattr(qm, "FUSE_GATE", False)
+    kernels.changed()
+    assert list(generate_classic(target, prompt, max_tokens=10)) == want
+    assert calls and not any(gated for _, gated in calls)
+
+
 LAYOUTS = [(bits, gs, mx.bfloat16) for bits in (4, 8) for gs in (32, 64, 128)]
 LAYOUTS += [(4, 64, mx.float16), (8, 64, mx.float16)]
 
@@ -461,6 +567,33 @@ def test_cuda_norm_split_over_two_launches_is_row_invariant(dtype, bits):
                 assert mx.array_equal(a, c[:m]).item(), f"M={m}"
             part = qm.quantized_matmul_native(scaled[:m], w2, s2, b2, x_sums=sums[:m], **fin)
             assert mx.array_equal(part, full[:m]).item(), f"M={m} swiglu={swiglu}"
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_cuda_gated_variant_is_the_gated_norm_kernel_then_the_product_bitwise(dtype, bits):
+    """The out projection's launch with the gated norm folded in, at the 27B's sizes (y of 48
+    heads of 128, z at column 10240 of the fused input projection's 16480 outputs; 96 heads of
+    64 at 8 bits): the bits of the gated-norm kernel, then the product and the add, for every
+    M = 1..8, and each M's rows those of M = 8."""
+    variant = qm.Variant(gate_eps=1e-6, residual=True)
+    assert qm._self_check(dtype, dtype, 64, bits, variant, dtype) is None
+    x, w, s, b = _layer_inputs(n=5120, k=6144, bits=bits, dtype=dtype, seed=51)
+    x = x * 2
+    source = (mx.random.normal((8, 16480), key=mx.random.key(52)) * 2).astype(dtype)
+    weight = mx.random.uniform(0.5, 1.5, (16 * 32 // bits,), key=mx.random.key(53)).astype(dtype)
+    r = (mx.random.normal((8, 5120), key=mx.random.key(54)) * 2).astype(dtype)
+    kw = {"group_size": 64, "bits": bits}
+    full = None
+    for m in (8, *range(1, 8)):
+        gate = qm.Gate(source[:m], 10240, weight, 1e-6)
+        fused = qm.quantized_matmul_native(x[:m], w, s, b, residual=r[:m], gate=gate, **kw)
+        normed = gate.apply(x[:m], gn.gated_norm_native)
+        apart = qm.quantized_matmul_native(normed, w, s, b, residual=r[:m], **kw)
+        assert mx.array_equal(fused, apart).item(), f"M={m}"
+        full = fused if m == 8 else full
+        assert mx.array_equal(fused, full[:m]).item(), f"M={m}"
 
 
 @cuda

@@ -22,10 +22,12 @@ def gated_norm_ops(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx
 
 
 # One warp / SIMD-group a row: lane l holds D/32 values; the squares are summed by fma, then a
-# butterfly over the 32 lanes. The norm rounds as MLX's rms_norm does (x * rsqrt to the input
-# dtype, times the weight in it), the gate's SiLU and the product are float32, as mlx-lm's
-# precise_swiglu; y and z are read through their strides (z is a view into the layer's fused
-# input projection). One text for both backends (``kernels.spell``).
+# butterfly over the 32 lanes, 1, 2, 4, 8, 16 apart (the order that the out projection's
+# product repeats where it applies this norm itself: quantized_matmul's ``Gate``). The norm
+# rounds as MLX's rms_norm does (x * rsqrt to the input dtype, times the weight in it), the
+# gate's SiLU and the product are float32, as mlx-lm's precise_swiglu; y and z are read through
+# their strides (z is a view into the layer's fused input projection). One text for both
+# backends (``kernels.spell``).
 _TEMPLATE = """
     #define GN_RD(v) static_cast<float>(static_cast<InT>(v))
     constexpr int NPT = D / 32;
@@ -46,7 +48,7 @@ _TEMPLATE = """
         v[i] = static_cast<float>(y_[i * y_strides[3]]);
         ss = fmaf(v[i], v[i], ss);
       }
-      for (LANE_OFFSET off = 16; off > 0; off >>= 1) ss = ss + XOR_SHUFFLE(ss, off);
+      for (LANE_OFFSET off = 1; off < 32; off <<= 1) ss = ss + XOR_SHUFFLE(ss, off);
       const float inv = rsqrtf(ss / D + NORM_EPS);
       for (int i = 0; i < NPT; ++i) {
         const float x = GN_RD(static_cast<float>(weight[lane * NPT + i]) * GN_RD(v[i] * inv));

@@ -16,7 +16,7 @@ weight = scale * q + bias.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -25,6 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu as _swiglu
 
 from . import available, backend, built, changed, kernel_name, launch_bounds, spell, use_native
+from .gated_norm import gated_norm, gated_norm_ops
 
 MAX_ROWS = 8  # the mma's n dimension
 WARPS = 8  # split-K warps per 16-row tile, reduced in a fixed order
@@ -32,10 +33,30 @@ GROUP_SIZES = (32, 64, 128)
 BITS = (4, 8)
 
 
+@dataclass(frozen=True, eq=False)  # arrays: compared by identity
+class Gate:
+    """A gated-delta layer's output norm (``gated_norm``) for a product's x [..., K]: each head
+    of D = ``weight.size`` values RMS-normalised with ``eps``, times ``weight`` [D], times SiLU
+    of z, which is ``source``'s columns [offset, offset + K) (source [..., >= offset + K], x's
+    rows: a fused projection's output, read in place)."""
+
+    source: mx.array
+    offset: int
+    weight: mx.array
+    eps: float
+
+    def apply(self, x: mx.array, norm: Callable | None = None) -> mx.array:
+        """x normed and gated [..., K], by ``norm`` (default ``gated_norm``) over its heads."""
+        k, d = x.shape[-1], self.weight.shape[-1]
+        heads = (*x.shape[:-1], k // d, d)  # [..., H, D]
+        z = self.source[..., self.offset : self.offset + k].reshape(heads)
+        return (norm or gated_norm)(x.reshape(heads), z, self.weight, self.eps).reshape(x.shape)
+
+
 def quantized_matmul_ops(
     x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None,
     norm_weight: mx.array | None = None, eps: float = 1e-6, swiglu: bool = False,
-    x_sums: mx.array | None = None, next_norm: mx.array | None = None,
+    x_sums: mx.array | None = None, next_norm: mx.array | None = None, gate: Gate | None = None,
 ):  # fmt: skip
     """Ops reference: x [..., K] times the dequantized w [N, K] transposed -> [..., N].
 
@@ -45,8 +66,10 @@ def quantized_matmul_ops(
     A norm in two launches: with ``next_norm`` [N] (and a residual) the result is the tuple
     (y, y times next_norm, ``tile_sums(y)``), the norm begun; ``x_sums`` [..., K/16] finishes
     one: x is already times the norm's weight, and the outputs are scaled by
-    rsqrt(sum(x_sums) / K + eps).
+    rsqrt(sum(x_sums) / K + eps). ``gate`` applies a gated-delta layer's norm to x first.
     """
+    if gate is not None:
+        x = gate.apply(x, gated_norm_ops)
     if norm_weight is not None:
         x = mx.fast.rms_norm(x, norm_weight, eps)
     y = mx.quantized_matmul(
@@ -194,6 +217,7 @@ _CUDA_TEMPLATE = """
     const ST* b_hi = biases + hi * groups;
     const uint32_t* x_g = reinterpret_cast<const uint32_t*>(x) + (size_t)min(g, M - 1) * (K / 2);
     NORM_INIT
+    GATE_INIT
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     auto pair = [](ST v) {  // a scale or bias as a pair of x's type
       const XT h = static_cast<XT>(static_cast<float>(v));
@@ -218,6 +242,7 @@ _CUDA_TEMPLATE = """
       const uint32_t wh[4] = {qh.x, qh.y, qh.z, qh.w};
       const XT2 s2_lo = pair(sl), b2_lo = pair(bl), s2_hi = pair(sh), b2_hi = pair(bh);
       if (st + WARPS < stretches) fetch(st + WARPS);
+      GATE_STRETCH
       for (int j = 0; j < 4; ++j) {
         uint32_t xv[XW];
         if (g < M) {
@@ -226,6 +251,7 @@ _CUDA_TEMPLATE = """
           for (int i = 0; i < XW; ++i) xv[i] = 0u;
         }
         NORM_X
+        GATE_X
         for (int s = 0; s < STEPS; ++s) {
           uint32_t a[4], b[2];
           a[0] = qm_as_u32(__hfma2(qm_ints<BITS>(wl[j], 2 * s, XT{}), s2_lo, b2_lo));
@@ -329,6 +355,7 @@ _METAL_TEMPLATE = """
     float c_lo[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     float c_hi[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     NORM_INIT
+    GATE_INIT
     for (int st = warp; st < stretches; st += WARPS) {
       const int word0 = st * 16 + t * 4;
       const int grp = (word0 * VPW) / GS;
@@ -336,6 +363,7 @@ _METAL_TEMPLATE = """
       const float b_lo = static_cast<float>(biases[lo * groups + grp]);
       const float s_hi = static_cast<float>(scales[hi * groups + grp]);
       const float b_hi = static_cast<float>(biases[hi * groups + grp]);
+      GATE_STRETCH
       for (int j = 0; j < 4; ++j) {
         const uint32_t ql = w_lo[word0 + j];
         const uint32_t qh = w_hi[word0 + j];
@@ -348,6 +376,7 @@ _METAL_TEMPLATE = """
             if (m < M) {
               float xm = static_cast<float>(x[(size_t)m * K + k]);
               NORM_X
+              GATE_X
               c_lo[m] = fma(xm, wl, c_lo[m]);
               c_hi[m] = fma(xm, wh, c_hi[m]);
             }
@@ -415,6 +444,87 @@ _METAL_NORM = {
         const float inv = rsqrt(sq / K + NORM_EPS);
         acc = acc * inv;
         SCALE_UP""",
+}
+
+# The gated variant takes the gated-delta layer's output y as x, and applies that layer's norm
+# (kernels/gated_norm.py) as it loads it: each head of D = 16 * VPW values, one stretch, RMS-
+# normalised, times the norm's weight ``gate_w`` [D], times SiLU of z (``z``'s columns
+# [Z_OFF, Z_OFF + K): a fused projection's output, read in place). A lane's 4 words hold 4 * VPW
+# of its x row's head, 8 of the standalone kernel's lanes' D / 32 each, so the head's sum of
+# squares is added in that kernel's order: D / 32 values by fma, then its lanes 1, 2 and 4 apart
+# here, 8 and 16 apart across the group's lanes t ^ 1 and t ^ 2. Each value then rounds as there:
+# x is that kernel's output, bitwise, and the norm's launch is saved.
+_CUDA_GATE = {
+    "GATE_INIT": """const XT* z_g = z + (size_t)min(g, M - 1) * z_shape[1] + Z_OFF;""",
+    "GATE_STRETCH": """float gn_inv;  // x row g's head st: rsqrt(mean square + eps)
+      {
+        constexpr int NPT = VPW / 2;  // the standalone kernel's values a lane
+        float p[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        if (g < M) {
+          for (int j = 0; j < 4; ++j) {
+            uint32_t xq[XW];
+            qm_load<XW>(xq, x_g + (word0 + j) * XW);
+            for (int i = 0; i < XW; ++i) {
+              const XT2 q = qm_pair(xq[i], XT{});
+              const float x0 = static_cast<float>(q.x), x1 = static_cast<float>(q.y);
+              const int e = (j * XW + i) * 2;
+              p[e / NPT] = fmaf(x0, x0, p[e / NPT]);
+              p[(e + 1) / NPT] = fmaf(x1, x1, p[(e + 1) / NPT]);
+            }
+          }
+        }
+        for (int off = 1; off < 8; off <<= 1) {
+          for (int v = 0; v < 8; v += 2 * off) p[v] = p[v] + p[v + off];
+        }
+        float sq = p[0];
+        sq = sq + __shfl_xor_sync(0xffffffffu, sq, 1);
+        sq = sq + __shfl_xor_sync(0xffffffffu, sq, 2);
+        gn_inv = rsqrtf(sq / (16 * VPW) + GATE_EPS);
+      }""",
+    "GATE_X": """if (g < M) {
+          const int k0 = (word0 + j) * VPW;  // xv[0]'s first value: its column, place in the head
+          const int d0 = k0 - st * 16 * VPW;
+          for (int i = 0; i < XW; ++i) {
+            const XT2 q = qm_pair(xv[i], XT{});
+            float o[2];
+            for (int e = 0; e < 2; ++e) {
+              const float v = static_cast<float>(e ? q.y : q.x);
+              const float w = static_cast<float>(gate_w[d0 + 2 * i + e]);
+              const float xn = QM_RD(w * QM_RD(v * gn_inv));
+              const float gz = static_cast<float>(z_g[k0 + 2 * i + e]);
+              const float sg = 1.0f / (1.0f + expf(-gz));
+              o[e] = gz * sg * xn;
+            }
+            xv[i] = qm_as_u32(XT2{static_cast<XT>(o[0]), static_cast<XT>(o[1])});
+          }
+        }""",
+}
+# Metal: lane (g, t) holds the same 4 words of every x row; the same sums, in the same order.
+_METAL_GATE = {
+    "GATE_INIT": "",
+    "GATE_STRETCH": """float gn_inv[8];  // x rows' head st: rsqrt(mean square + eps)
+      for (int m = 0; m < M; ++m) {
+        constexpr int NPT = VPW / 2;
+        float p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int e = 0; e < 4 * VPW; ++e) {
+          const float v = static_cast<float>(x[(size_t)m * K + word0 * VPW + e]);
+          p[e / NPT] = fma(v, v, p[e / NPT]);
+        }
+        for (int off = 1; off < 8; off <<= 1) {
+          for (int v = 0; v < 8; v += 2 * off) p[v] = p[v] + p[v + off];
+        }
+        float sq = p[0];
+        sq = sq + simd_shuffle_xor(sq, ushort(1));
+        sq = sq + simd_shuffle_xor(sq, ushort(2));
+        gn_inv[m] = rsqrt(sq / (16 * VPW) + GATE_EPS);
+      }""",
+    "GATE_X": """{
+                const int d = k - st * 16 * VPW;  // the value's place in its head
+                xm = float(XT(static_cast<float>(gate_w[d]) * float(XT(xm * gn_inv[m]))));
+                const float gz = static_cast<float>(z[(size_t)m * z_shape[1] + Z_OFF + k]);
+                const float sg = 1.0f / (1.0f + exp(-gz));
+                xm = float(XT(gz * sg * xm));
+              }""",
 }
 
 # The norm can also be split across two launches, out of the product's loop: the launch that
@@ -525,14 +635,16 @@ class Variant:
     residual: bool = False
     emits: bool = False  # with ``residual``: also the sum times a norm weight, its tile sums
     sums_eps: float | None = None  # x comes normed but unscaled, with its tile sums (this eps)
+    gate_eps: float | None = None  # x is a gated-delta output, given its gated norm (this eps)
 
     def eps(self) -> float | None:
-        return self.norm_eps if self.norm_eps is not None else self.sums_eps
+        return next((e for e in (self.norm_eps, self.sums_eps, self.gate_eps) if e is not None),
+                    None)  # fmt: skip
 
     def suffix(self) -> str:
         return ("_norm" * (self.norm_eps is not None) + "_sums" * (self.sums_eps is not None)
-                + "_swiglu" * self.swiglu + "_add" * self.residual
-                + "_emits" * self.emits)  # fmt: skip
+                + "_gated" * (self.gate_eps is not None) + "_swiglu" * self.swiglu
+                + "_add" * self.residual + "_emits" * self.emits)  # fmt: skip
 
 
 PLAIN = Variant()
@@ -548,7 +660,8 @@ def launch_shape(n: int, swiglu: bool) -> tuple[int, int]:
 def source(metal: bool, variant: Variant = PLAIN) -> str:
     """One variant's kernel body for one backend, its splices filled in."""
     norm, sums = variant.norm_eps is not None, variant.sums_eps is not None
-    assert not (norm and sums), "x is normed here or before, not both"
+    gated = variant.gate_eps is not None
+    assert norm + sums + gated <= 1, "x is normed one way"
     assert variant.residual or not variant.emits, "only a residual sum begins a norm"
     if metal:
         text, splices = _METAL_TEMPLATE, _METAL_NORM
@@ -570,6 +683,10 @@ def source(metal: bool, variant: Variant = PLAIN) -> str:
         text = text.replace("NORM_SCALE", sums_scale)
     for token, code in splices.items():
         text = text.replace(token, code if norm else "")
+    for token, code in (_METAL_GATE if metal else _CUDA_GATE).items():
+        text = text.replace(token, code if gated else "")
+    if gated:
+        text = text.replace("GATE_EPS", f"{variant.gate_eps:.9e}f")
     text = text.replace("SCALE_UP", "up_acc = up_acc * inv;" if variant.swiglu else "")
     if norm or sums:
         text = text.replace("NORM_EPS", f"{variant.eps():.9e}f")
@@ -590,7 +707,8 @@ def _spec(metal: bool, header: str, variant: Variant = PLAIN) -> dict:
         "input_names": ["x", "w", "scales", "biases"]
         + ["norm_w"] * (variant.norm_eps is not None or variant.emits)
         + ["x_sums"] * (variant.sums_eps is not None)
-        + ["residual"] * variant.residual,
+        + ["residual"] * variant.residual
+        + ["z", "gate_w"] * (variant.gate_eps is not None),
         "output_names": ["y"] + ["y_w", "y_sums"] * variant.emits,
         "source": text,
         "header": header,
@@ -617,7 +735,8 @@ NORM_MIN_BLOCKS = 4
 
 def header(variant: Variant, warps: int = WARPS, min_blocks: int | None = None) -> str:
     """The CUDA header a variant's kernel is built with (``min_blocks``: launch bounds)."""
-    if min_blocks is None and (variant.norm_eps is not None or variant.swiglu) and warps == WARPS:
+    in_loop = variant.norm_eps is not None or variant.gate_eps is not None or variant.swiglu
+    if min_blocks is None and in_loop and warps == WARPS:
         min_blocks = NORM_MIN_BLOCKS
     return _HEADER_CUDA + (launch_bounds(warps, min_blocks) if min_blocks else "")
 
@@ -628,22 +747,25 @@ def _kernel(variant: Variant, warps: int = WARPS, min_blocks: int | None = None)
                  lambda: _build_metal(variant))  # fmt: skip
 
 
-def _variant(norm_weight, eps: float, swiglu: bool, residual, x_sums, next_norm) -> Variant:
+def _variant(norm_weight, eps: float, swiglu: bool, residual, x_sums, next_norm,
+             gate: Gate | None = None) -> Variant:  # fmt: skip
     return Variant(eps if norm_weight is not None else None, swiglu, residual is not None,
-                   next_norm is not None, eps if x_sums is not None else None)  # fmt: skip
+                   next_norm is not None, eps if x_sums is not None else None,
+                   gate.eps if gate is not None else None)  # fmt: skip
 
 
 def quantized_matmul_native(
     x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None,
     norm_weight: mx.array | None = None, eps: float = 1e-6, swiglu: bool = False,
-    x_sums: mx.array | None = None, next_norm: mx.array | None = None,
+    x_sums: mx.array | None = None, next_norm: mx.array | None = None, gate: Gate | None = None,
     warps: int = WARPS, min_blocks: int | None = None,
 ):  # fmt: skip
     """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype, or with ``next_norm`` the
     tuple of ``quantized_matmul_ops`` (see there for the options; ``norm_weight``,
-    ``next_norm`` and ``residual`` in x's dtype, ``x_sums`` [M, K/16] float32); None where
-    there is none. ``warps`` and ``min_blocks`` (launch bounds, CUDA) are for benchmarks."""
-    variant = _variant(norm_weight, eps, swiglu, residual, x_sums, next_norm)
+    ``next_norm`` and ``residual`` in x's dtype, ``x_sums`` [M, K/16] float32, a gate's source
+    [M, >= offset + K] in x's dtype and its heads of 16 words' values); None where there is
+    none. ``warps`` and ``min_blocks`` (launch bounds, CUDA) are for benchmarks."""
+    variant = _variant(norm_weight, eps, swiglu, residual, x_sums, next_norm, gate)
     kernel = _kernel(variant, warps, min_blocks)
     if kernel is None:
         return None
@@ -651,6 +773,7 @@ def quantized_matmul_native(
     n_out, groups = launch_shape(N, swiglu)
     nw = norm_weight if norm_weight is not None else next_norm
     extra = [a for a in (nw, x_sums, residual) if a is not None]
+    extra += [gate.source, gate.weight] if gate is not None else []
     emits = next_norm is not None
     out = kernel(
         inputs=[x, w, scales, biases, *extra],
@@ -660,7 +783,8 @@ def quantized_matmul_native(
             ("BITS", bits),
             ("GS", group_size),
             ("WARPS", warps),
-        ],  # fmt: skip
+        ]
+        + ([("Z_OFF", gate.offset)] if gate is not None else []),
         grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[(M, n_out)] + [(M, N), (M, groups)] * emits,
@@ -681,9 +805,10 @@ def random_quantized(n: int, k: int, group_size: int, bits: int, dtype, seed: in
     return w, scales, biases
 
 
-def _self_check(dtype, sdtype, group_size: int, bits: int, variant: Variant = PLAIN) -> str | None:
+def _self_check(dtype, sdtype, group_size: int, bits: int, variant: Variant = PLAIN,
+                gate_dtype=None) -> str | None:  # fmt: skip
     """Agreement with the reference and row invariance (M = 1, 3, 8) of one variant, on 40
-    weight rows of K = 1024."""
+    weight rows of K = 1024 (a gate's weight in ``gate_dtype``)."""
     n, k = 40, 1024  # 40 rows: a partial last tile (of 16 rows; with swiglu, of 8 pairs)
     w, scales, biases = random_quantized(n, k, group_size, bits, sdtype, seed=7)
     x = (mx.random.normal((8, k), key=mx.random.key(8)) * 3).astype(dtype)
@@ -698,11 +823,16 @@ def _self_check(dtype, sdtype, group_size: int, bits: int, variant: Variant = PL
     n_out = n // 2 if variant.swiglu else n
     r = mx.random.normal((8, n_out), key=mx.random.key(9)).astype(dtype)
     next_w = mx.random.uniform(0.5, 1.5, (n,), key=mx.random.key(11)).astype(dtype)
+    z = (mx.random.normal((8, k + 48), key=mx.random.key(12)) * 2).astype(dtype)  # z at 16
+    gw = mx.random.uniform(0.5, 1.5, (16 * 32 // bits,), key=mx.random.key(13))
 
     def rows(m: int) -> dict:
         return ({"residual": r[:m]} if variant.residual else {}) | (
             {"x_sums": sums[:m]} if sums is not None else {}
-        ) | ({"next_norm": next_w} if variant.emits else {})  # fmt: skip
+        ) | ({"next_norm": next_w} if variant.emits else {}) | (
+            {"gate": Gate(z[:m], 16, gw.astype(gate_dtype), variant.gate_eps)}
+            if variant.gate_eps is not None else {}
+        )  # fmt: skip
 
     try:
         got = {m: quantized_matmul_native(x[:m], w, scales, biases, **opts, **rows(m))
@@ -745,16 +875,24 @@ def supported(x: mx.array, w: mx.array, group_size: int, bits: int) -> bool:
 def _native(
     x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None,
     norm_weight: mx.array | None = None, eps: float = 1e-6, swiglu: bool = False,
-    x_sums: mx.array | None = None, next_norm: mx.array | None = None,
+    x_sums: mx.array | None = None, next_norm: mx.array | None = None, gate: Gate | None = None,
 ):  # fmt: skip
     """The product as one trusted native launch (x [..., K], the options' arrays shaped as x's
     rows), or None where the variant does not run natively here."""
     rows, n, k = math.prod(x.shape[:-1]), w.shape[0], x.shape[-1]
-    variant = _variant(norm_weight, eps, swiglu, residual, x_sums, next_norm)
+    variant = _variant(norm_weight, eps, swiglu, residual, x_sums, next_norm, gate)
     n_out = n // 2 if swiglu else n
 
     def fits(a, shape, dtype) -> bool:
         return a is None or (a.shape == shape and a.dtype == dtype)
+
+    gate_dtype = gate.weight.dtype if gate is not None else None
+
+    def gate_fits() -> bool:  # a head is a stretch; no other norm of x
+        src = gate.source
+        return (norm_weight is None and x_sums is None and src.dtype == x.dtype
+                and src.shape[:-1] == x.shape[:-1] and 0 <= gate.offset <= src.shape[-1] - k
+                and gate.weight.shape == (16 * 32 // bits,))  # fmt: skip
 
     if not (
         backend() != "cpu"
@@ -766,15 +904,20 @@ def _native(
         and fits(norm_weight, (k,), x.dtype)
         and fits(next_norm, (n,), x.dtype)
         and fits(x_sums, (*x.shape[:-1], -(-k // TILE)), mx.float32)
+        and (gate is None or gate_fits())
         and use_native(
             "quantized_matmul" + variant.suffix(),
-            (backend(), str(x.dtype), str(scales.dtype), group_size, bits, variant.eps()),
-            lambda: _self_check(x.dtype, scales.dtype, group_size, bits, variant),
+            (backend(), str(x.dtype), str(scales.dtype), group_size, bits, variant.eps())
+            + ((str(gate_dtype),) if gate is not None else ()),
+            lambda: _self_check(x.dtype, scales.dtype, group_size, bits, variant, gate_dtype),
         )  # fmt: skip
     ):
         return None
     flat = {name: a.reshape(rows, a.shape[-1]) for name, a in
             (("residual", residual), ("x_sums", x_sums)) if a is not None}  # fmt: skip
+    if gate is not None:
+        src = gate.source
+        flat["gate"] = Gate(src.reshape(rows, src.shape[-1]), gate.offset, gate.weight, gate.eps)
     out = quantized_matmul_native(
         x.reshape(rows, k), w, scales, biases, group_size=group_size, bits=bits,
         norm_weight=norm_weight, eps=eps, swiglu=swiglu, next_norm=next_norm, **flat,
@@ -790,16 +933,19 @@ def _native(
 def quantized_matmul(
     x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None,
     norm_weight: mx.array | None = None, eps: float = 1e-6, swiglu: bool = False,
-    x_sums: mx.array | None = None,
+    x_sums: mx.array | None = None, gate: Gate | None = None,
 ) -> mx.array:  # fmt: skip
     """``quantized_matmul_ops`` (same options, but for ``next_norm``: see ``linear_add``) on
     the best trusted path: one native launch where the variant runs natively here, else the
     options as their own ops around the product, which may still run natively."""
     opts = {"norm_weight": norm_weight, "eps": eps, "swiglu": swiglu, "x_sums": x_sums}
     out = _native(x, w, scales, biases, group_size=group_size, bits=bits, residual=residual,
-                  **opts)  # fmt: skip
+                  gate=gate, **opts)  # fmt: skip
     if out is not None:
         return out
+    if gate is not None:  # the gated norm in its own launch
+        return quantized_matmul(gate.apply(x), w, scales, biases, group_size=group_size,
+                                bits=bits, residual=residual, **opts)  # fmt: skip
     if _variant(norm_weight, eps, swiglu, residual, x_sums, None) == PLAIN:
         return quantized_matmul_ops(x, w, scales, biases, group_size=group_size, bits=bits)
     if norm_weight is not None:
@@ -818,6 +964,9 @@ def quantized_matmul(
 # (docs/benchmark_results/README.md, session 14); bench_verify's ``ours_norm_begun`` arm.
 FUSE_RESIDUAL = True
 BEGIN_NORMS = False
+# Whether the out projection of a gated-delta layer applies the layer's gated norm as it loads
+# its input (``Gate``), saving the norm's launch (48 a step of the 27B).
+FUSE_GATE = True
 
 
 @dataclass(frozen=True, eq=False)  # arrays and a module: compared by identity
@@ -833,17 +982,27 @@ class NormBegun:
 
 
 def linear_add(
-    layer: nn.Module, x: mx.array, residual: mx.array, then: nn.Module | None = None
-) -> mx.array | NormBegun:
+    layer: nn.Module, x: mx.array, residual: mx.array, then: nn.Module | None = None,
+    gate: Gate | None = None,
+) -> mx.array | NormBegun:  # fmt: skip
     """``residual + layer(x)``: one launch where ``layer`` runs through our product, which adds
     the residual in its store with MLX's rounding; otherwise the two ops. With ``then`` (the
-    RMSNorm that the sum feeds) the launch also begins that norm, where it can: a NormBegun."""
-    if not (FUSE_RESIDUAL and type(layer) is KernelQuantizedLinear and "bias" not in layer):
+    RMSNorm that the sum feeds) the launch also begins that norm, where it can: a NormBegun.
+    With ``gate``, x is a gated-delta layer's output, normed by ``gate`` first: in the same
+    launch where it can, else in the norm's own."""
+    ours = FUSE_RESIDUAL and type(layer) is KernelQuantizedLinear and "bias" not in layer
+    if gate is not None and not (ours and FUSE_GATE):
+        x, gate = gate.apply(x), None
+    if not ours:
         return residual + layer(x)
-    opts = {"group_size": layer.group_size, "bits": layer.bits, "residual": residual}
+    opts = {"group_size": layer.group_size, "bits": layer.bits, "residual": residual,
+            "gate": gate}  # fmt: skip
     parts = (layer["weight"], layer["scales"], layer.get("biases"))
     if then is not None and BEGIN_NORMS and isinstance(then, nn.RMSNorm):
         out = _native(x, *parts, next_norm=then.weight, **opts)
+        if out is None and gate is not None:  # the gate does not fold: its own launch first
+            x, opts["gate"] = gate.apply(x), None
+            out = _native(x, *parts, next_norm=then.weight, **opts)
         if out is not None:
             return NormBegun(*out, then)
     return quantized_matmul(x, *parts, **opts)
@@ -946,6 +1105,10 @@ class FusedProjection(nn.Module):
 
     def split(self, y: mx.array) -> list[mx.array]:
         return mx.split(y, self._cuts, axis=-1)
+
+    def start(self, i: int) -> int:
+        """Where sibling i's outputs begin in the fused outputs' last axis."""
+        return ([0] + self._cuts)[i]
 
 
 _OURS = {nn.QuantizedLinear: KernelQuantizedLinear, nn.QuantizedEmbedding: KernelQuantizedEmbedding}

@@ -25,7 +25,6 @@ from ..config import ModelConfig
 from ..kernels import quantized_matmul
 from ..kernels.decode_attention import MAX_T, Rope, decode_attention
 from ..kernels.gated_delta import gated_delta_conv
-from ..kernels.gated_norm import gated_norm
 from ..kernels.quantized_matmul import FusedProjection, NormBegun, residual_of
 from ..weights import load_arrays, load_module_weights
 
@@ -128,12 +127,14 @@ def _gated_delta(m: qwen3_5.GatedDeltaNet, h, norm, conv_state, state, keep: boo
     ``keep``); with ``then``, the norm after it, out may come as a ``NormBegun`` of that."""
     B, S, _ = residual_of(h).shape
     if fused is not None:  # the norm and the four input projections in one product
-        qkv, z, b, a = fused.split(fused(h, norm))
+        proj = fused(h, norm)  # [B, S, C + Hv * Dv + 2 Hv]
+        qkv, _, b, a = fused.split(proj)
+        z_source, z_at = proj, fused.start(1)
     else:
         x = norm(residual_of(h))
         qkv, z = m.in_proj_qkv(x), m.in_proj_z(x)  # [B, S, C], [B, S, Hv * Dv]
         b, a = m.in_proj_b(x), m.in_proj_a(x)  # [B, S, Hv]
-    z = z.reshape(B, S, m.num_v_heads, m.head_v_dim)
+        z_source, z_at = z, 0
     # The conv and SiLU, the q/k normalisation, the decay and beta (mlx-lm's), then the
     # recurrence: one launch where the native kernel runs. Its T steps equal T one-step calls
     # bitwise (chain parity). y [B, S, Hv, Dv]; the window and inputs [B, K-1+S, C] and the
@@ -142,10 +143,10 @@ def _gated_delta(m: qwen3_5.GatedDeltaNet, h, norm, conv_state, state, keep: boo
     y, state, states, conv_input, window = gated_delta_conv(
         qkv, conv_state, m.conv1d.weight, a, b, m.A_log, m.dt_bias, state, heads, keep_states=keep
     )
-    # mlx-lm's gated norm (m.norm), then the out projection and the residual: a launch each
-    # where our kernels run
-    normed = gated_norm(y, z, m.norm.weight, m.norm.eps)  # [B, S, Hv, Dv]
-    out = quantized_matmul.linear_add(m.out_proj, normed.reshape(B, S, -1), residual_of(h), then)
+    # mlx-lm's gated norm (m.norm) of y, the out projection and the residual: one launch where
+    # our product takes y and z (the norm applied as it loads y), else the norm's launch first
+    gate = quantized_matmul.Gate(z_source, z_at, m.norm.weight, m.norm.eps)
+    out = quantized_matmul.linear_add(m.out_proj, y.reshape(B, S, -1), residual_of(h), then, gate)
     return (out, conv_input, window, state) + ((states,) if keep else ())
 
 
