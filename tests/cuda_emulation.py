@@ -50,10 +50,12 @@ static float __shfl_xor_sync(unsigned, float v, int off) {  // every lane of the
   return r;
 }
 static inline void __syncwarp() { warp_wait(); }
+static inline void simdgroup_barrier(int) { warp_wait(); }
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 // One copy for the whole launch: threadgroup rows run one at a time, so a kernel whose warps
 // each keep to their own slice (indexed by threadIdx.y) sees its own shared memory.
 #define __shared__ static
+#define __align__(n) alignas(n)
 // Metal's names for the same things (1-D threadgroups for the SIMD-group indices).
 #define device
 #define threadgroup static

@@ -696,11 +696,11 @@ def test_emulated_cuda_gated_product_is_the_gated_norm_kernel_then_the_product(b
 
 
 BROKEN_GATES = [  # a mistake spliced into the gated variant's CUDA source
-    ("sq = sq + __shfl_xor_sync(0xffffffffu, sq, 2);", ""),  # half the head's squares
+    ("off < 32; off <<= 1) ss = ss + __shfl", "off < 16; off <<= 1) ss = ss + __shfl"),  # half
     ("z_shape[1] + Z_OFF", "z_shape[1]"),  # z from the source's first columns
-    ("gate_w[d0 + 2 * i + e]", "gate_w[2 * i + e]"),  # the weight of the head's first values
+    ("gate_w[lane * NPT + i]", "gate_w[i]"),  # the weight of the lane's first values
     ("(1.0f + expf(-gz))", "(1.0f + expf(gz))"),  # the wrong gate
-    ("p[v] = p[v] + p[v + off]", "p[v] = p[v] + p[v]"),  # a lane's squares added wrong
+    ("(warp * 8 + g) * 16 * VPW", "(warp * 8) * 16 * VPW"),  # every row multiplies row 0
 ]
 
 

@@ -383,10 +383,11 @@ def _gate(m=3, k=1024, bits=4, offset=8, dtype=mx.bfloat16) -> qm.Gate:
 
 
 def test_the_gated_norm_rides_in_the_out_projections_launch(monkeypatch):
-    """``linear_add`` with a gate: one launch takes y, z's source and the norm's weight, and
-    gives the residual plus the product of mlx-lm's gated norm. With FUSE_GATE off the norm
-    runs in its own launch (``gated_norm``) first, the same values."""
+    """``linear_add`` with a gate (FUSE_GATE on): one launch takes y, z's source and the norm's
+    weight, and gives the residual plus the product of mlx-lm's gated norm. With FUSE_GATE off
+    (the default) the norm runs in its own launch (``gated_norm``) first, the same values."""
     calls = []
+    monkeypatch.setattr(qm, "FUSE_GATE", True)
 
     def native(x, *a, **kw):
         calls.append(kw.get("gate"))
@@ -411,6 +412,7 @@ def test_a_gated_kernel_that_ignores_the_gate_is_refused(monkeypatch):
     """A gated variant that forgets the norm fails its check; the norm then runs in its own
     launch and the product (with the residual) natively, so the values are still right."""
     plain = []
+    monkeypatch.setattr(qm, "FUSE_GATE", True)
 
     def native(x, *a, gate=None, **kw):  # forgets the gate
         if gate is None:
@@ -448,9 +450,9 @@ def test_a_gate_whose_heads_are_not_a_stretch_runs_in_its_own_launch(monkeypatch
 
 def test_every_gated_delta_out_projection_takes_its_norm_in_its_launch(monkeypatch):
     """The "tiny" synthetic model (value heads of 128 at 4 bits, as the 27B's), our product
-    native (a row-by-row stand-in): each gated-delta layer's out projection takes its gated
-    norm in its launch, in decode steps and verify blocks, and MTP equals classic; with
-    FUSE_GATE off no launch takes a gate and the tokens are the same."""
+    native (a row-by-row stand-in), FUSE_GATE on: each gated-delta layer's out projection
+    takes its gated norm in its launch, in decode steps and verify blocks, and MTP equals
+    classic; with FUSE_GATE off no launch takes a gate and the tokens are the same."""
     from mtpcli import synthetic
     from mtpcli.engine.classic import generate_classic
     from mtpcli.engine.mtp import generate_mtp
@@ -462,6 +464,7 @@ def test_every_gated_delta_out_projection_takes_its_norm_in_its_launch(monkeypat
         return _stub_variants(_reference_rows)(x, *a, **kw)
 
     _pretend_gpu(monkeypatch, native)
+    monkeypatch.setattr(qm, "FUSE_GATE", True)
     target, drafter = synthetic.build("tiny", bits=4)
     prompt = [(i * 37) % 1000 for i in range(24)]
     want = list(generate_classic(target, prompt, max_tokens=10))
@@ -589,7 +592,9 @@ def test_cuda_gated_variant_is_the_gated_norm_kernel_then_the_product_bitwise(dt
     for m in (8, *range(1, 8)):
         gate = qm.Gate(source[:m], 10240, weight, 1e-6)
         fused = qm.quantized_matmul_native(x[:m], w, s, b, residual=r[:m], gate=gate, **kw)
-        normed = gate.apply(x[:m], gn.gated_norm_native)
+        y = x[:m].reshape(1, m, -1)  # the layer's [B, S, Hv * Dv]
+        src = qm.Gate(source[:m].reshape(1, m, -1), 10240, weight, 1e-6)
+        normed = src.apply(y, gn.gated_norm_native).reshape(m, -1)  # the norm's own launch
         apart = qm.quantized_matmul_native(normed, w, s, b, residual=r[:m], **kw)
         assert mx.array_equal(fused, apart).item(), f"M={m}"
         full = fused if m == 8 else full

@@ -71,6 +71,7 @@ _SPELLINGS = {
         "BARRIER": "__syncthreads()",
         "LANE_OFFSET": "int",
         "XOR_SHUFFLE(": "__shfl_xor_sync(0xffffffffu, ",
+        "WARP_SYNC": "__syncwarp()",
         "KERNEL_FN ": "__device__ __forceinline__ ",  # a header's helper function
         "THREAD ": "",  # the address space of a thread's own arrays
     },
@@ -80,6 +81,7 @@ _SPELLINGS = {
         "BARRIER": "threadgroup_barrier(mem_flags::mem_threadgroup)",
         "LANE_OFFSET": "ushort",
         "XOR_SHUFFLE(": "simd_shuffle_xor(",
+        "WARP_SYNC": "simdgroup_barrier(mem_flags::mem_threadgroup)",
         "expf(": "exp(",
         "logf(": "log(",
         "rsqrtf(": "rsqrt(",

@@ -251,7 +251,6 @@ _CUDA_TEMPLATE = """
           for (int i = 0; i < XW; ++i) xv[i] = 0u;
         }
         NORM_X
-        GATE_X
         for (int s = 0; s < STEPS; ++s) {
           uint32_t a[4], b[2];
           a[0] = qm_as_u32(__hfma2(qm_ints<BITS>(wl[j], 2 * s, XT{}), s2_lo, b2_lo));
@@ -376,7 +375,6 @@ _METAL_TEMPLATE = """
             if (m < M) {
               float xm = static_cast<float>(x[(size_t)m * K + k]);
               NORM_X
-              GATE_X
               c_lo[m] = fma(xm, wl, c_lo[m]);
               c_hi[m] = fma(xm, wh, c_hi[m]);
             }
@@ -447,85 +445,54 @@ _METAL_NORM = {
 }
 
 # The gated variant takes the gated-delta layer's output y as x, and applies that layer's norm
-# (kernels/gated_norm.py) as it loads it: each head of D = 16 * VPW values, one stretch, RMS-
-# normalised, times the norm's weight ``gate_w`` [D], times SiLU of z (``z``'s columns
-# [Z_OFF, Z_OFF + K): a fused projection's output, read in place). A lane's 4 words hold 4 * VPW
-# of its x row's head, 8 of the standalone kernel's lanes' D / 32 each, so the head's sum of
-# squares is added in that kernel's order: D / 32 values by fma, then its lanes 1, 2 and 4 apart
-# here, 8 and 16 apart across the group's lanes t ^ 1 and t ^ 2. Each value then rounds as there:
-# x is that kernel's output, bitwise, and the norm's launch is saved.
-_CUDA_GATE = {
-    "GATE_INIT": """const XT* z_g = z + (size_t)min(g, M - 1) * z_shape[1] + Z_OFF;""",
-    "GATE_STRETCH": """float gn_inv;  // x row g's head st: rsqrt(mean square + eps)
-      {
-        constexpr int NPT = VPW / 2;  // the standalone kernel's values a lane
-        float p[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        if (g < M) {
-          for (int j = 0; j < 4; ++j) {
-            uint32_t xq[XW];
-            qm_load<XW>(xq, x_g + (word0 + j) * XW);
-            for (int i = 0; i < XW; ++i) {
-              const XT2 q = qm_pair(xq[i], XT{});
-              const float x0 = static_cast<float>(q.x), x1 = static_cast<float>(q.y);
-              const int e = (j * XW + i) * 2;
-              p[e / NPT] = fmaf(x0, x0, p[e / NPT]);
-              p[(e + 1) / NPT] = fmaf(x1, x1, p[(e + 1) / NPT]);
-            }
-          }
-        }
-        for (int off = 1; off < 8; off <<= 1) {
-          for (int v = 0; v < 8; v += 2 * off) p[v] = p[v] + p[v + off];
-        }
-        float sq = p[0];
-        sq = sq + __shfl_xor_sync(0xffffffffu, sq, 1);
-        sq = sq + __shfl_xor_sync(0xffffffffu, sq, 2);
-        gn_inv = rsqrtf(sq / (16 * VPW) + GATE_EPS);
-      }""",
-    "GATE_X": """if (g < M) {
-          const int k0 = (word0 + j) * VPW;  // xv[0]'s first value: its column, place in the head
-          const int d0 = k0 - st * 16 * VPW;
-          for (int i = 0; i < XW; ++i) {
-            const XT2 q = qm_pair(xv[i], XT{});
-            float o[2];
-            for (int e = 0; e < 2; ++e) {
-              const float v = static_cast<float>(e ? q.y : q.x);
-              const float w = static_cast<float>(gate_w[d0 + 2 * i + e]);
-              const float xn = QM_RD(w * QM_RD(v * gn_inv));
-              const float gz = static_cast<float>(z_g[k0 + 2 * i + e]);
-              const float sg = 1.0f / (1.0f + expf(-gz));
-              o[e] = gz * sg * xn;
-            }
-            xv[i] = qm_as_u32(XT2{static_cast<XT>(o[0]), static_cast<XT>(o[1])});
-          }
-        }""",
-}
-# Metal: lane (g, t) holds the same 4 words of every x row; the same sums, in the same order.
-_METAL_GATE = {
-    "GATE_INIT": "",
-    "GATE_STRETCH": """float gn_inv[8];  // x rows' head st: rsqrt(mean square + eps)
+# (kernels/gated_norm.py) to it: each head of D = 16 * VPW values (one stretch) RMS-normalised,
+# times the norm's weight ``gate_w`` [D], times SiLU of z (``z``'s columns [Z_OFF, Z_OFF + K):
+# a fused projection's output, read in place). Before a stretch's products the warp runs the
+# standalone kernel's code on the stretch's head, lane l its D / 32 values of each x row, the
+# same sums in the same order and the same roundings, into its own rows of shared memory; the
+# products then read x there. So x is that kernel's output bitwise, and its launch is saved.
+# (Every tile redoes the norm: M * D values a stretch, D / 32 a lane, instead of 4 * VPW * M a
+# lane had each lane gated the values it multiplies.) One text for both backends.
+_GATE_STRETCH = """WARP_SYNC;  // the last stretch's x is read
       for (int m = 0; m < M; ++m) {
-        constexpr int NPT = VPW / 2;
-        float p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int e = 0; e < 4 * VPW; ++e) {
-          const float v = static_cast<float>(x[(size_t)m * K + word0 * VPW + e]);
-          p[e / NPT] = fma(v, v, p[e / NPT]);
+        constexpr int D = 16 * VPW;  // a head: the stretch's values
+        constexpr int NPT = D / 32;  // the standalone kernel's values a lane
+        DEVICE const XT* y_m = x + (size_t)m * K + st * D + lane * NPT;
+        DEVICE const XT* z_m = z + (size_t)m * z_shape[1] + Z_OFF + st * D + lane * NPT;
+        float yv[NPT];
+        float ss = 0.0f;
+        for (int i = 0; i < NPT; ++i) {
+          yv[i] = static_cast<float>(y_m[i]);
+          ss = fmaf(yv[i], yv[i], ss);
         }
-        for (int off = 1; off < 8; off <<= 1) {
-          for (int v = 0; v < 8; v += 2 * off) p[v] = p[v] + p[v + off];
+        for (LANE_OFFSET off = 1; off < 32; off <<= 1) ss = ss + XOR_SHUFFLE(ss, off);
+        const float inv = rsqrtf(ss / D + GATE_EPS);
+        for (int i = 0; i < NPT; ++i) {
+          const float w_i = static_cast<float>(gate_w[lane * NPT + i]);
+          const float xn = static_cast<float>(static_cast<XT>(
+              w_i * static_cast<float>(static_cast<XT>(yv[i] * inv))));
+          const float gz = static_cast<float>(z_m[i]);
+          const float sg = 1.0f / (1.0f + expf(-gz));
+          gx[(warp * 8 + m) * D + lane * NPT + i] = static_cast<XT>(gz * sg * xn);
         }
-        float sq = p[0];
-        sq = sq + simd_shuffle_xor(sq, ushort(1));
-        sq = sq + simd_shuffle_xor(sq, ushort(2));
-        gn_inv[m] = rsqrt(sq / (16 * VPW) + GATE_EPS);
-      }""",
-    "GATE_X": """{
-                const int d = k - st * 16 * VPW;  // the value's place in its head
-                xm = float(XT(static_cast<float>(gate_w[d]) * float(XT(xm * gn_inv[m]))));
-                const float gz = static_cast<float>(z[(size_t)m * z_shape[1] + Z_OFF + k]);
-                const float sg = 1.0f / (1.0f + exp(-gz));
-                xm = float(XT(gz * sg * xm));
-              }""",
-}
+      }
+      WARP_SYNC;  // and this stretch's written"""
+_X_LOADS = (  # CUDA, Metal: x's load in the products' loop, and the gated variant's
+    ("qm_load<XW>(xv, x_g + (word0 + j) * XW);",
+     "qm_load<XW>(xv, reinterpret_cast<const uint32_t*>(gx + (warp * 8 + g) * 16 * VPW)"
+     " + (t * 4 + j) * XW);"),
+    ("float xm = static_cast<float>(x[(size_t)m * K + k]);",
+     "float xm = static_cast<float>(gx[(warp * 8 + m) * 16 * VPW + k - st * 16 * VPW]);"),
+)  # fmt: skip
+_GATE = {  # CUDA, Metal: the splices, and x's load replaced
+    metal: {
+        "GATE_INIT": ("threadgroup XT gx[WARPS * 8 * 16 * VPW];  // x rows, a SIMD-group's"
+                      if metal else
+                      "__align__(16) __shared__ XT gx[WARPS * 8 * 16 * VPW];  // x rows, a warp's"),
+        _X_LOADS[metal][0]: _X_LOADS[metal][1],
+    }
+    for metal in (False, True)
+}  # fmt: skip
 
 # The norm can also be split across two launches, out of the product's loop: the launch that
 # makes a residual sum h (the layer's previous product, ``Variant.emits``) also stores h times
@@ -683,8 +650,12 @@ def source(metal: bool, variant: Variant = PLAIN) -> str:
         text = text.replace("NORM_SCALE", sums_scale)
     for token, code in splices.items():
         text = text.replace(token, code if norm else "")
-    for token, code in (_METAL_GATE if metal else _CUDA_GATE).items():
-        text = text.replace(token, code if gated else "")
+    for token, code in ({"GATE_STRETCH": spell(_GATE_STRETCH, metal)} | _GATE[metal]).items():
+        assert text.count(token) == 1, token
+        if gated:
+            text = text.replace(token, code)
+        elif token.startswith("GATE_"):  # (the x load stays)
+            text = text.replace(token, "")
     if gated:
         text = text.replace("GATE_EPS", f"{variant.gate_eps:.9e}f")
     text = text.replace("SCALE_UP", "up_acc = up_acc * inv;" if variant.swiglu else "")
@@ -964,9 +935,13 @@ def quantized_matmul(
 # (docs/benchmark_results/README.md, session 14); bench_verify's ``ours_norm_begun`` arm.
 FUSE_RESIDUAL = True
 BEGIN_NORMS = False
-# Whether the out projection of a gated-delta layer applies the layer's gated norm as it loads
-# its input (``Gate``), saving the norm's launch (48 a step of the 27B).
-FUSE_GATE = True
+# Whether the out projection of a gated-delta layer applies the layer's gated norm to its input
+# itself (``Gate``), saving the norm's launch (48 a step of the 27B). Off: on the H200 the
+# folded launch took 31.3 us in a 3-token verify against 11.6 + 3.1 for the two (every tile
+# redoes the norm), and classic decode, paced by the host there, did not run measurably faster
+# for the 48 launches saved (docs/benchmark_results/README.md, session 16); bench_verify's
+# ``ours_gate_folded`` arm.
+FUSE_GATE = False
 
 
 @dataclass(frozen=True, eq=False)  # arrays and a module: compared by identity
