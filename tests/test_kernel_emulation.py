@@ -688,7 +688,7 @@ def test_emulated_cuda_gated_product_is_the_gated_norm_kernel_then_the_product(b
         got[m] = _cuda_qmm(y[:m], *weights, 64, bits, variant=variant, gate=gate_m, **add_m)
     assert np.array_equal(got[8], want)
     assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
-    normed = gate.apply(y, gn.gated_norm_ops)
+    normed = gate.apply_flat(y, gn.gated_norm_ops)
     ref = _as_dequantized(normed, *weights, 64, bits) + (
         np.array(r.astype(mx.float32)) if residual else 0
     )

@@ -196,7 +196,7 @@ def _stub_variants(native):
     def run(x, w, s, b, *, group_size, bits, residual=None, norm_weight=None, eps=1e-6,
             swiglu=False, x_sums=None, next_norm=None, gate=None):  # fmt: skip
         if gate is not None:
-            x = gate.apply(x, gn.gated_norm_ops)
+            x = gate.apply_flat(x, gn.gated_norm_ops)
         if norm_weight is not None:
             x = mx.fast.rms_norm(x, norm_weight, eps)
         y = native(x, w, s, b, group_size=group_size, bits=bits)
@@ -397,14 +397,15 @@ def test_the_gated_norm_rides_in_the_out_projections_launch(monkeypatch):
     x, w, s, b = _layer_inputs(m=3)
     layer, gate = _linear(w, s, b), _gate()
     h = mx.random.normal((3, 40), key=mx.random.key(5)).astype(mx.bfloat16)
-    y = qm.linear_add(layer, x, h, gate=gate)
+    y = qm.linear_add(layer, x.reshape(3, 8, 128), h, gate=gate)  # y: 8 heads of 128
     assert calls[-1] is not None and calls[-1].weight is gate.weight and calls[-1].offset == 8
-    want = h + _reference_rows(gate.apply(x, gn.gated_norm_ops), w, s, b, group_size=64, bits=4)
+    normed = gate.apply_flat(x, gn.gated_norm_ops)
+    want = h + _reference_rows(normed, w, s, b, group_size=64, bits=4)
     assert mx.array_equal(y, want).item()
     applied = []
     monkeypatch.setattr(qm, "gated_norm", lambda *a: applied.append(1) or gn.gated_norm_ops(*a))
     monkeypatch.setattr(qm, "FUSE_GATE", False)
-    assert mx.array_equal(qm.linear_add(layer, x, h, gate=gate), want).item()
+    assert mx.array_equal(qm.linear_add(layer, x.reshape(3, 8, 128), h, gate=gate), want).item()
     assert calls[-1] is None and applied == [1]
 
 
@@ -424,9 +425,10 @@ def test_a_gated_kernel_that_ignores_the_gate_is_refused(monkeypatch):
     layer, gate = _linear(w, s, b), _gate()
     h = mx.random.normal((3, 40), key=mx.random.key(5)).astype(mx.bfloat16)
     with pytest.warns(RuntimeWarning, match="quantized_matmul_gated_add kernel disagrees"):
-        y = qm.linear_add(layer, x, h, gate=gate)
+        y = qm.linear_add(layer, x.reshape(3, 8, 128), h, gate=gate)
     assert plain[-1] == 3
-    want = h + _reference_rows(gate.apply(x, gn.gated_norm_ops), w, s, b, group_size=64, bits=4)
+    normed = gate.apply_flat(x, gn.gated_norm_ops)
+    want = h + _reference_rows(normed, w, s, b, group_size=64, bits=4)
     assert mx.array_equal(y, want).item()
 
 
@@ -444,7 +446,7 @@ def test_a_gate_whose_heads_are_not_a_stretch_runs_in_its_own_launch(monkeypatch
     g = _gate(bits=8)  # heads of 64
     y = qm.quantized_matmul(x, w, s, b, group_size=64, bits=4, gate=g)
     assert calls and all(c is None for c in calls)
-    want = _reference_rows(g.apply(x, gn.gated_norm_ops), w, s, b, group_size=64, bits=4)
+    want = _reference_rows(g.apply_flat(x, gn.gated_norm_ops), w, s, b, group_size=64, bits=4)
     assert mx.array_equal(y, want).item()
 
 
@@ -594,7 +596,7 @@ def test_cuda_gated_variant_is_the_gated_norm_kernel_then_the_product_bitwise(dt
         fused = qm.quantized_matmul_native(x[:m], w, s, b, residual=r[:m], gate=gate, **kw)
         y = x[:m].reshape(1, m, -1)  # the layer's [B, S, Hv * Dv]
         src = qm.Gate(source[:m].reshape(1, m, -1), 10240, weight, 1e-6)
-        normed = src.apply(y, gn.gated_norm_native).reshape(m, -1)  # the norm's own launch
+        normed = src.apply_flat(y, gn.gated_norm_native).reshape(m, -1)  # the norm's launch
         apart = qm.quantized_matmul_native(normed, w, s, b, residual=r[:m], **kw)
         assert mx.array_equal(fused, apart).item(), f"M={m}"
         full = fused if m == 8 else full

@@ -45,12 +45,17 @@ class Gate:
     weight: mx.array
     eps: float
 
-    def apply(self, x: mx.array, norm: Callable | None = None) -> mx.array:
-        """x normed and gated [..., K], by ``norm`` (default ``gated_norm``) over its heads."""
-        k, d = x.shape[-1], self.weight.shape[-1]
-        heads = (*x.shape[:-1], k // d, d)  # [..., H, D]
-        z = self.source[..., self.offset : self.offset + k].reshape(heads)
-        return (norm or gated_norm)(x.reshape(heads), z, self.weight, self.eps).reshape(x.shape)
+    def apply(self, y: mx.array, norm: Callable | None = None) -> mx.array:
+        """y [..., H, D] normed and gated, [..., H, D], by ``norm`` (default ``gated_norm``)."""
+        k, z = y.shape[-2] * y.shape[-1], self.source
+        if (self.offset, k) != (0, z.shape[-1]):  # a view of the fused projection's outputs
+            z = z[..., self.offset : self.offset + k]
+        return (norm or gated_norm)(y, z.reshape(y.shape), self.weight, self.eps)
+
+    def apply_flat(self, x: mx.array, norm: Callable | None = None) -> mx.array:
+        """``apply`` to x [..., K] (heads side by side), [..., K]."""
+        heads = (*x.shape[:-1], x.shape[-1] // self.weight.shape[-1], self.weight.shape[-1])
+        return self.apply(x.reshape(heads), norm).reshape(x.shape)
 
 
 def quantized_matmul_ops(
@@ -69,7 +74,7 @@ def quantized_matmul_ops(
     rsqrt(sum(x_sums) / K + eps). ``gate`` applies a gated-delta layer's norm to x first.
     """
     if gate is not None:
-        x = gate.apply(x, gated_norm_ops)
+        x = gate.apply_flat(x, gated_norm_ops)
     if norm_weight is not None:
         x = mx.fast.rms_norm(x, norm_weight, eps)
     y = mx.quantized_matmul(
@@ -915,7 +920,7 @@ def quantized_matmul(
     if out is not None:
         return out
     if gate is not None:  # the gated norm in its own launch
-        return quantized_matmul(gate.apply(x), w, scales, biases, group_size=group_size,
+        return quantized_matmul(gate.apply_flat(x), w, scales, biases, group_size=group_size,
                                 bits=bits, residual=residual, **opts)  # fmt: skip
     if _variant(norm_weight, eps, swiglu, residual, x_sums, None) == PLAIN:
         return quantized_matmul_ops(x, w, scales, biases, group_size=group_size, bits=bits)
@@ -963,11 +968,13 @@ def linear_add(
     """``residual + layer(x)``: one launch where ``layer`` runs through our product, which adds
     the residual in its store with MLX's rounding; otherwise the two ops. With ``then`` (the
     RMSNorm that the sum feeds) the launch also begins that norm, where it can: a NormBegun.
-    With ``gate``, x is a gated-delta layer's output, normed by ``gate`` first: in the same
-    launch where it can, else in the norm's own."""
+    With ``gate``, x is a gated-delta layer's output y [..., H, D], normed by ``gate`` first:
+    in the product's launch (``FUSE_GATE``) where it can, else in the norm's own."""
     ours = FUSE_RESIDUAL and type(layer) is KernelQuantizedLinear and "bias" not in layer
-    if gate is not None and not (ours and FUSE_GATE):
-        x, gate = gate.apply(x), None
+    if gate is not None:
+        if not (ours and FUSE_GATE):
+            x, gate = gate.apply(x), None
+        x = x.reshape(*x.shape[:-2], -1)  # [..., H * D]
     if not ours:
         return residual + layer(x)
     opts = {"group_size": layer.group_size, "bits": layer.bits, "residual": residual,
@@ -976,7 +983,7 @@ def linear_add(
     if then is not None and BEGIN_NORMS and isinstance(then, nn.RMSNorm):
         out = _native(x, *parts, next_norm=then.weight, **opts)
         if out is None and gate is not None:  # the gate does not fold: its own launch first
-            x, opts["gate"] = gate.apply(x), None
+            x, opts["gate"] = gate.apply_flat(x), None
             out = _native(x, *parts, next_norm=then.weight, **opts)
         if out is not None:
             return NormBegun(*out, then)

@@ -143,10 +143,10 @@ def _gated_delta(m: qwen3_5.GatedDeltaNet, h, norm, conv_state, state, keep: boo
     y, state, states, conv_input, window = gated_delta_conv(
         qkv, conv_state, m.conv1d.weight, a, b, m.A_log, m.dt_bias, state, heads, keep_states=keep
     )
-    # mlx-lm's gated norm (m.norm) of y, the out projection and the residual: one launch where
-    # our product takes y and z (the norm applied as it loads y), else the norm's launch first
+    # mlx-lm's gated norm (m.norm) of y, the out projection and the residual: the norm's launch
+    # and the product's, or one where the product applies the norm itself (FUSE_GATE)
     gate = quantized_matmul.Gate(z_source, z_at, m.norm.weight, m.norm.eps)
-    out = quantized_matmul.linear_add(m.out_proj, y.reshape(B, S, -1), residual_of(h), then, gate)
+    out = quantized_matmul.linear_add(m.out_proj, y, residual_of(h), then, gate)
     return (out, conv_input, window, state) + ((states,) if keep else ())
 
 
