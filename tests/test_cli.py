@@ -72,3 +72,10 @@ def test_console_script_and_module_entry_points(tmp_path):
     bad = subprocess.run([mtp, "generate", "-m", str(tmp_path / "nope"), "-p", "x"],
                          capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 1 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
+
+
+def test_a_bad_submit_every_is_a_named_error(capsys, monkeypatch):
+    monkeypatch.setenv("MTP_SUBMIT_EVERY", "often")
+    assert run(["generate", "-p", "hello", "-n", "4"]) != 0
+    err = capsys.readouterr().err
+    assert "MTP_SUBMIT_EVERY must be a number of layers" in err and "Traceback" not in err

@@ -309,6 +309,34 @@ def test_the_folded_conv_kernel_runs_every_gated_delta_layer(load, monkeypatch, 
         kernels.reset_verdicts()  # and retrace the layer functions without the stand-in
 
 
+def test_a_verify_submitted_in_parts_still_equals_classic(load, monkeypatch):
+    """With ``submit_every`` (MTP_SUBMIT_EVERY) a verify block's stream is submitted every few
+    layers while the rest is built: each verify adds a submission a layer at 1, and MTP still
+    equals classic."""
+    from mtpcli.errors import UsageError
+
+    loaded = load(bits=4)
+    prompt = PROMPTS[2]
+    want = _classic(loaded, prompt, 24)
+    calls, real = [], mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: calls.append(1) or real(*a))
+
+    def submissions() -> int:
+        calls.clear()
+        assert _mtp(loaded, prompt, 24, 3) == want
+        return len(calls)
+
+    base = submissions()
+    monkeypatch.setattr(loaded.target, "submit_every", 1)
+    assert submissions() - base >= len(loaded.target.layers)  # a verify's layers, at least
+    monkeypatch.setenv("MTP_SUBMIT_EVERY", "2")
+    assert target_mod.submit_every() == 2
+    for bad in ("-1", "two", ""):
+        monkeypatch.setenv("MTP_SUBMIT_EVERY", bad)
+        with pytest.raises(UsageError, match="MTP_SUBMIT_EVERY"):
+            target_mod.submit_every()
+
+
 def test_eos_and_max_tokens_stop_both_engines(load):
     loaded = load()
     prompt = PROMPTS[1]

@@ -9,6 +9,7 @@ each row bitwise the single-position result; ``RowPolicy`` finds that out per op
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .. import kernels
 from ..config import ModelConfig
+from ..errors import UsageError
 from ..kernels import quantized_matmul
 from ..kernels.decode_attention import MAX_T, Rope, decode_attention
 from ..kernels.gated_delta import gated_delta_conv
@@ -278,12 +280,27 @@ def _mlp(fused: FusedProjection, down: nn.Module) -> Callable:
     )
 
 
+def submit_every() -> int:
+    """``MTP_SUBMIT_EVERY``: submit a verify block every this many layers (0: at its wait)."""
+    raw = os.environ.get("MTP_SUBMIT_EVERY", "0")
+    n = int(raw) if raw.strip().isdigit() else -1
+    if n < 0:
+        raise UsageError(f"MTP_SUBMIT_EVERY must be a number of layers (0: off), got {raw!r}")
+    return n
+
+
 class Qwen35Target:
     """A loaded Qwen3.5-family target with the surface the engines need."""
 
     def __init__(self, model: nn.Module, config: ModelConfig, fuse: bool | None = None):
         self.model = model  # mlx-lm's Model: parameters and checkpoint names
         self.config = config
+        # A verify block is waited for as soon as it is built (the round needs its accepted
+        # count), so the device idles while Python builds it. Every ``submit_every`` layers
+        # the stream so far can be submitted (mx.async_eval), the device running the first
+        # layers while the rest are built; 0 (the default, until measured on a GPU) submits
+        # once, at the wait. A decode step needs none: its build overlaps the step before.
+        self.submit_every = submit_every()
         ours = kernels.qmm() == "ours"
         if ours:  # decode and verify rows then share one product kernel
             quantized_matmul.install(model)
@@ -462,6 +479,8 @@ class Qwen35Target:
             else:
                 hs, trace = self._attention_layer(i, hs, mask, c, verify, compiled), None
             traces.append(trace)
+            if verify and self.submit_every and (i + 1) % self.submit_every == 0:
+                mx.async_eval(hs)
         self.functions.end(T)
         return ForwardOut(self.text.model.norm(hs[0]), traces if verify else None)
 
