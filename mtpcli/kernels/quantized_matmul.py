@@ -942,7 +942,7 @@ FUSE_RESIDUAL = True
 BEGIN_NORMS = False
 # Whether the out projection of a gated-delta layer applies the layer's gated norm to its input
 # itself (``Gate``), saving the norm's launch (48 a step of the 27B). Off: on the H200 the
-# folded launch took 31.3 us in a 3-token verify against 11.6 + 3.1 for the two (every tile
+# folded launch took 31.3 us in a 3-token verify against 11.9 + 3.1 for the two (every tile
 # redoes the norm), and classic decode, paced by the host there, did not run measurably faster
 # for the 48 launches saved (docs/benchmark_results/README.md, session 16); bench_verify's
 # ``ours_gate_folded`` arm.
