@@ -95,7 +95,7 @@ def test_emulated_kernel_matches_the_reference(metal):
     [
         ("off < 32; off <<= 1", "off < 16; off <<= 1"),  # half the lanes' squares
         ("b * z_strides[0]", "b * y_strides[0]"),  # z read through y's strides
-        ("(1.0f + expf(-g))", "(1.0f + expf(g))"),  # the wrong gate
+        ("(1.0f + expf(-gz))", "(1.0f + expf(gz))"),  # the wrong gate
     ],
 )
 def test_emulation_catches_a_broken_kernel(mistake):

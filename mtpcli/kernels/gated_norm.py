@@ -28,8 +28,36 @@ def gated_norm_ops(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx
 # gate's SiLU and the product are float32, as mlx-lm's precise_swiglu; y and z are read through
 # their strides (z is a view into the layer's fused input projection). One text for both
 # backends (``kernels.spell``).
+# A lane's part of one row, given ``NPT`` and ``D``: its NPT values ``Y_I`` (value i), their
+# gates ``Z_I``, the norm's weights ``W_I``, its outputs ``OUT_I`` of type ``OUT_T``. One text
+# for this kernel and for the out projection's product where it applies the norm itself
+# (quantized_matmul's ``Gate``), so the two compute the same bits by construction.
+ROW = """float v[NPT];
+        float ss = 0.0f;
+        for (int i = 0; i < NPT; ++i) {
+          v[i] = static_cast<float>(Y_I);
+          ss = fmaf(v[i], v[i], ss);
+        }
+        for (LANE_OFFSET off = 1; off < 32; off <<= 1) ss = ss + XOR_SHUFFLE(ss, off);
+        const float inv = rsqrtf(ss / D + NORM_EPS);
+        for (int i = 0; i < NPT; ++i) {
+          const float xn = static_cast<float>(static_cast<OUT_T>(
+              static_cast<float>(W_I) * static_cast<float>(static_cast<OUT_T>(v[i] * inv))));
+          const float gz = static_cast<float>(Z_I);
+          const float sg = 1.0f / (1.0f + expf(-gz));
+          OUT_I = static_cast<OUT_T>(gz * sg * xn);
+        }"""
+
+
+def row(y: str, z: str, w: str, out: str, out_type: str) -> str:
+    """``ROW`` with its value, gate, weight and output expressions (of ``i``) filled in."""
+    text = ROW
+    for token, expr in (("Y_I", y), ("Z_I", z), ("W_I", w), ("OUT_I", out), ("OUT_T", out_type)):
+        text = text.replace(token, expr)
+    return text
+
+
 _TEMPLATE = """
-    #define GN_RD(v) static_cast<float>(static_cast<InT>(v))
     constexpr int NPT = D / 32;
     THREAD_INDICES
     const int S = y_shape[1];
@@ -42,22 +70,8 @@ _TEMPLATE = """
           + lane * NPT * y_strides[3];
       DEVICE const InT* z_ = z + b * z_strides[0] + s * z_strides[1] + h * z_strides[2]
           + lane * NPT * z_strides[3];
-      float v[NPT];
-      float ss = 0.0f;
-      for (int i = 0; i < NPT; ++i) {
-        v[i] = static_cast<float>(y_[i * y_strides[3]]);
-        ss = fmaf(v[i], v[i], ss);
-      }
-      for (LANE_OFFSET off = 1; off < 32; off <<= 1) ss = ss + XOR_SHUFFLE(ss, off);
-      const float inv = rsqrtf(ss / D + NORM_EPS);
-      for (int i = 0; i < NPT; ++i) {
-        const float x = GN_RD(static_cast<float>(weight[lane * NPT + i]) * GN_RD(v[i] * inv));
-        const float g = static_cast<float>(z_[i * z_strides[3]]);
-        const float sg = 1.0f / (1.0f + expf(-g));
-        out[(size_t)row * D + lane * NPT + i] = static_cast<InT>(g * sg * x);
-      }
+      ROW
     }
-    #undef GN_RD
 """
 _THREAD_INDICES = {
     False: """const int lane = threadIdx.x & 31;
@@ -70,7 +84,9 @@ _kernels: dict = {}
 
 
 def _source(metal: bool, eps: float) -> str:
-    text = _TEMPLATE.replace("THREAD_INDICES", _THREAD_INDICES[metal])
+    text = _TEMPLATE.replace("THREAD_INDICES", _THREAD_INDICES[metal]).replace("ROW", row(
+        "y_[i * y_strides[3]]", "z_[i * z_strides[3]]", "weight[lane * NPT + i]",
+        "out[(size_t)row * D + lane * NPT + i]", "InT"))  # fmt: skip
     return spell(text.replace("NORM_EPS", f"{eps:.9e}f"), metal)
 
 

@@ -26,6 +26,7 @@ from mlx_lm.models.activations import swiglu as _swiglu
 
 from . import available, backend, built, changed, kernel_name, launch_bounds, spell, use_native
 from .gated_norm import gated_norm, gated_norm_ops
+from .gated_norm import row as gated_norm_row
 
 MAX_ROWS = 8  # the mma's n dimension
 WARPS = 8  # split-K warps per 16-row tile, reduced in a fixed order
@@ -453,9 +454,9 @@ _METAL_NORM = {
 # (kernels/gated_norm.py) to it: each head of D = 16 * VPW values (one stretch) RMS-normalised,
 # times the norm's weight ``gate_w`` [D], times SiLU of z (``z``'s columns [Z_OFF, Z_OFF + K):
 # a fused projection's output, read in place). Before a stretch's products the warp runs the
-# standalone kernel's code on the stretch's head, lane l its D / 32 values of each x row, the
-# same sums in the same order and the same roundings, into its own rows of shared memory; the
-# products then read x there. So x is that kernel's output bitwise, and its launch is saved.
+# standalone kernel's row code (``gated_norm.ROW``, the same text) on the stretch's head, lane
+# l its D / 32 values of each x row, into its own rows of shared memory; the products then
+# read x there. So x is that kernel's output bitwise, and its launch is saved.
 # (Every tile redoes the norm: M * D values a stretch, D / 32 a lane, instead of 4 * VPW * M a
 # lane had each lane gated the values it multiplies.) One text for both backends.
 _GATE_STRETCH = """WARP_SYNC;  // the last stretch's x is read
@@ -464,24 +465,11 @@ _GATE_STRETCH = """WARP_SYNC;  // the last stretch's x is read
         constexpr int NPT = D / 32;  // the standalone kernel's values a lane
         DEVICE const XT* y_m = x + (size_t)m * K + st * D + lane * NPT;
         DEVICE const XT* z_m = z + (size_t)m * z_shape[1] + Z_OFF + st * D + lane * NPT;
-        float yv[NPT];
-        float ss = 0.0f;
-        for (int i = 0; i < NPT; ++i) {
-          yv[i] = static_cast<float>(y_m[i]);
-          ss = fmaf(yv[i], yv[i], ss);
-        }
-        for (LANE_OFFSET off = 1; off < 32; off <<= 1) ss = ss + XOR_SHUFFLE(ss, off);
-        const float inv = rsqrtf(ss / D + GATE_EPS);
-        for (int i = 0; i < NPT; ++i) {
-          const float w_i = static_cast<float>(gate_w[lane * NPT + i]);
-          const float xn = static_cast<float>(static_cast<XT>(
-              w_i * static_cast<float>(static_cast<XT>(yv[i] * inv))));
-          const float gz = static_cast<float>(z_m[i]);
-          const float sg = 1.0f / (1.0f + expf(-gz));
-          gx[(warp * 8 + m) * D + lane * NPT + i] = static_cast<XT>(gz * sg * xn);
-        }
+        GATED_ROW
       }
-      WARP_SYNC;  // and this stretch's written"""
+      WARP_SYNC;  // and this stretch's written""".replace("GATED_ROW", gated_norm_row(
+    "y_m[i]", "z_m[i]", "gate_w[lane * NPT + i]", "gx[(warp * 8 + m) * D + lane * NPT + i]",
+    "XT"))  # fmt: skip
 _X_LOADS = (  # CUDA, Metal: x's load in the products' loop, and the gated variant's
     ("qm_load<XW>(xv, x_g + (word0 + j) * XW);",
      "qm_load<XW>(xv, reinterpret_cast<const uint32_t*>(gx + (warp * 8 + g) * 16 * VPW)"
@@ -661,10 +649,8 @@ def source(metal: bool, variant: Variant = PLAIN) -> str:
             text = text.replace(token, code)
         elif token.startswith("GATE_"):  # (the x load stays)
             text = text.replace(token, "")
-    if gated:
-        text = text.replace("GATE_EPS", f"{variant.gate_eps:.9e}f")
     text = text.replace("SCALE_UP", "up_acc = up_acc * inv;" if variant.swiglu else "")
-    if norm or sums:
+    if norm or sums or gated:
         text = text.replace("NORM_EPS", f"{variant.eps():.9e}f")
     if variant.residual and not variant.emits:
         assert not variant.swiglu, "a swiglu output has no residual"
