@@ -329,6 +329,12 @@ def test_a_verify_submitted_in_parts_still_equals_classic(load, monkeypatch):
     base = submissions()
     monkeypatch.setattr(loaded.target, "submit_every", 1)
     assert submissions() - base >= len(loaded.target.layers)  # a verify's layers, at least
+    monkeypatch.delenv("MTP_SUBMIT_EVERY", raising=False)
+    assert target_mod.submit_every() == 0  # the CPU: its compute hides the overlap
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    assert target_mod.submit_every() == target_mod.SUBMIT_EVERY_GPU == 8  # measured on a GPU
+    monkeypatch.setenv("MTP_SUBMIT_EVERY", "0")
+    assert target_mod.submit_every() == 0
     monkeypatch.setenv("MTP_SUBMIT_EVERY", "2")
     assert target_mod.submit_every() == 2
     for bad in ("-1", "two", ""):
