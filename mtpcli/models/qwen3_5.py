@@ -298,6 +298,14 @@ def submit_every() -> int:
     return n
 
 
+def submit_decode() -> bool:
+    """``MTP_SUBMIT_DECODE=1``: submit decode steps in parts too (an experiment, off)."""
+    raw = os.environ.get("MTP_SUBMIT_DECODE", "0")
+    if raw not in ("0", "1"):
+        raise UsageError(f"MTP_SUBMIT_DECODE must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 class Qwen35Target:
     """A loaded Qwen3.5-family target with the surface the engines need."""
 
@@ -307,9 +315,11 @@ class Qwen35Target:
         # A verify block is waited for as soon as it is built (the round needs its accepted
         # count), so the device idles while Python builds it. Every ``submit_every`` layers
         # the stream so far is submitted (mx.async_eval), the device running the first
-        # layers while the rest are built; 0 submits once, at the wait. A decode step needs
-        # none: its build overlaps the step before.
+        # layers while the rest are built; 0 submits once, at the wait. A decode step's build
+        # was meant to overlap the step before, but MLX's async_eval returns only once most of
+        # a step has run (session 11): ``submit_decode`` tries decode steps in parts too.
         self.submit_every = submit_every()
+        self.submit_decode = submit_decode()
         ours = kernels.qmm() == "ours"
         if ours:  # decode and verify rows then share one product kernel
             quantized_matmul.install(model)
@@ -488,7 +498,8 @@ class Qwen35Target:
             else:
                 hs, trace = self._attention_layer(i, hs, mask, c, verify, compiled), None
             traces.append(trace)
-            if verify and self.submit_every and (i + 1) % self.submit_every == 0:
+            parts = verify or (self.submit_decode and T == 1)
+            if parts and self.submit_every and (i + 1) % self.submit_every == 0:
                 mx.async_eval(hs)
         self.functions.end(T)
         return ForwardOut(self.text.model.norm(hs[0]), traces if verify else None)
