@@ -11,6 +11,9 @@ limit. Every process's JSON goes to DIR, with the load average before it. The su
 for each arm, the median (min-max) over its processes of classic and MTP tok/s and of MTP /
 classic, whether the tokens always equalled classic's, and each arm's MTP tok/s over the first
 arm's in the same round. A process that fails or runs out of time is reported, not counted.
+With ``--warmup S`` the command first runs once under the first arm's settings, for up to S
+seconds, and is not counted: on a fresh GPU machine the first process compiles every kernel
+(session 17: more than 170 s), which would otherwise fall into the first round.
 """
 
 from __future__ import annotations
@@ -79,11 +82,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--arm", action="append", required=True, help="name:VAR=value[,VAR=value]")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--limit", type=float, default=300.0, help="seconds a process")
+    ap.add_argument("--warmup", type=float, default=0.0,
+                    help="seconds for one uncounted first run (0: none)")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("command", nargs="+", help="the bench command, after --")
     args = ap.parse_args(argv)
     arms = [parse_arm(a) for a in args.arm]
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.warmup > 0:
+        res = run_one(args.command, arms[0][1], args.warmup)
+        (args.out / "warmup.json").write_text(json.dumps(res, indent=1))
+        print(f"warm-up: {'done' if res['ok'] else res['why']} (not counted)", flush=True)
     rounds: list[dict[str, dict]] = []
     for i in range(args.rounds):
         results = {}

@@ -42,6 +42,17 @@ def test_arms_run_interleaved_with_their_settings_and_pool_per_round(tmp_path, m
     assert len(list((tmp_path / "r").glob("b_*.json"))) == 3
 
 
+def test_a_warmup_runs_first_under_the_first_arm_and_is_not_counted(tmp_path, monkeypatch):
+    order = tmp_path / "order.txt"
+    monkeypatch.setenv("ORDER", str(order))
+    out = ab_env.main(["--rounds", "1", "--warmup", "60", "--out", str(tmp_path / "r"),
+                       "--arm", "a:TPS=10", "--arm", "b:TPS=15", "--", sys.executable, "-c",
+                       FAKE])  # fmt: skip
+    assert order.read_text().split() == ["10", "10", "15"]  # the warm-up, then the round
+    assert out["summary"]["a"]["mtp_tps"]["n"] == 1
+    assert json.loads((tmp_path / "r" / "warmup.json").read_text())["ok"] is True
+
+
 def test_a_failing_or_slow_process_is_reported_not_counted(tmp_path, monkeypatch):
     monkeypatch.setenv("ORDER", str(tmp_path / "order.txt"))
     out = ab_env.main(["--rounds", "2", "--out", str(tmp_path), "--arm", "a:TPS=10",
