@@ -425,6 +425,17 @@ def to_json(
     }
 
 
+def _submitted(st: dict) -> str:
+    """How verify blocks (and decode steps) were submitted, for the report's settings line."""
+    n = st.get("submit_every")
+    if n is None:  # a report from before the setting was recorded
+        return ""
+    if not n:
+        return ", each verify block submitted at its wait"
+    steps = "verify blocks and decode steps" if st.get("submit_decode") else "verify blocks"
+    return f", {steps} submitted every {n} layers"
+
+
 def markdown(doc: dict) -> str:
     """The report: arms table, per-position acceptance, verify-cost table, machine."""
     info, st = doc["machine"], doc["settings"]
@@ -442,7 +453,8 @@ def markdown(doc: dict) -> str:
         f"{tuple(round(x, 2) for x in info['load_before'])} before, "
         f"{tuple(round(x, 2) for x in info['load_after'])} after. {st['prompts']} prompts x "
         f"{st['max_tokens']} tokens, {st['repeats']} repeats; figures are median (min-max). "
-        f"Kernels {st.get('kernels', 'auto')}, quantized matmul {st.get('qmm', 'mlx')}.",
+        f"Kernels {st.get('kernels', 'auto')}, quantized matmul {st.get('qmm', 'mlx')}"
+        f"{_submitted(st)}.",
         "",
         f"Command: `{st.get('command', 'mtp bench')}`",
     ]
