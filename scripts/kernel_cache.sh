@@ -20,9 +20,9 @@ fi
 version=$(python -c "import mlx.core as mx; print(mx.__version__)")
 ptx=${MLX_PTX_CACHE_DIR:-${TMPDIR:-/tmp}/mlx/$version/ptx}
 driver=${CUDA_CACHE_PATH:-$HOME/.nv/ComputeCache}
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
 if [[ "$what" == save ]]; then
-    stage=$(mktemp -d)
-    trap 'rm -rf "$stage"' EXIT
     mkdir -p "$stage/ptx" "$stage/driver"
     [[ -d "$ptx" ]] && cp -r "$ptx/." "$stage/ptx/"
     [[ -d "$driver" ]] && cp -r "$driver/." "$stage/driver/"
@@ -30,8 +30,6 @@ if [[ "$what" == save ]]; then
     tar -czf "$archive" -C "$stage" .
     echo "saved $(find "$stage/ptx" -type f | wc -l) MLX and $(find "$stage/driver" -type f | wc -l) driver files to $archive ($(du -h "$archive" | cut -f1))"
 else
-    stage=$(mktemp -d)
-    trap 'rm -rf "$stage"' EXIT
     tar -xzf "$archive" -C "$stage"
     if [[ "$(cat "$stage/mlx_version")" != "$version" ]]; then
         echo "kernel cache is for MLX $(cat "$stage/mlx_version"), this is $version: not restored" >&2

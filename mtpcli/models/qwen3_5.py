@@ -280,8 +280,9 @@ def _mlp(fused: FusedProjection, down: nn.Module) -> Callable:
     )
 
 
-# Layers a verify block is submitted every, where a GPU runs it (0 on the CPU, whose compute
-# hides the overlap). 8 measured best on the H200 against 2, 4 and 16 (session 17).
+# Where a GPU runs, a verify block goes to the device every this many layers as it is built
+# (on the CPU at its wait: its compute hides the overlap). 8 measured best on the H200 against
+# 2, 4 and 16 (session 17).
 SUBMIT_EVERY_GPU = 8
 
 
@@ -492,14 +493,14 @@ class Qwen35Target:
         mask = create_attention_mask(h, kv)  # unused where attention goes position by position
         traces: list[GatedDeltaTrace | None] = []
         hs = (h,)  # the residual stream (see ``stream``)
+        every = self.submit_every if verify or (self.submit_decode and T == 1) else 0
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             if layer.is_linear:
                 hs, trace = self._linear_layer(i, hs, c, verify, compiled)
             else:
                 hs, trace = self._attention_layer(i, hs, mask, c, verify, compiled), None
             traces.append(trace)
-            parts = verify or (self.submit_decode and T == 1)
-            if parts and self.submit_every and (i + 1) % self.submit_every == 0:
+            if every and (i + 1) % every == 0:
                 mx.async_eval(hs)
         self.functions.end(T)
         return ForwardOut(self.text.model.norm(hs[0]), traces if verify else None)
