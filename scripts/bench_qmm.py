@@ -4,6 +4,10 @@
     python scripts/bench_qmm.py --arms 8 4 mlx --ms 1 3 8   # our kernel with 8 and 4 warps
     python scripts/bench_qmm.py --arms 8 8x5 --ms 1 3       # 8 warps, and capped for 5 blocks
     ncu --set full -k regex:mtp_qmm python scripts/bench_qmm.py --launches-only
+    ncu --profile-from-start off --clock-control none --csv --metrics gpu__time_duration.sum \\
+        -k "regex:mtp_qmm|bench_stream_read" python scripts/bench_qmm.py --launches-only \\
+        --launch-repeats 3 --arms 8 8x5 > q.csv
+    python scripts/bench_qmm.py --ncu-summary q.csv --launch-repeats 3 --arms 8 8x5
 
 For each layer (random affine-quantized weights, bf16 activations) and M, the median time of
 one product (``CALLS`` independent products per evaluation, divided), the weight bytes moved per
@@ -12,17 +16,23 @@ own read bandwidth is measured in the same run, as the yardstick: a streaming re
 (16-byte loads, enough blocks to fill the device) and, as before, a large reduction; the
 faster of the two is the yardstick. An arm ``W`` is our kernel with W split-K warps per tile;
 ``mlx`` is ``mx.quantized_matmul``.
-``--launches-only`` runs each arm once per layer at M = 1 and 3, for a profiler; ``--step``
+``--launches-only`` runs each arm once per layer at M = 1 and 3 (``--launch-repeats`` times)
+between cuProfilerStart and Stop, for a profiler, with a streaming read of each layer's bytes
+beside it: the most one launch that reads them reaches. ``--ncu-summary`` maps the profile
+back to layers and arms. ``--step``
 takes the products a decode step runs (fused, as the target runs them) instead of the layers.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import platform
+import statistics
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -157,16 +167,118 @@ def layer_costs(
     return out
 
 
-def launches_only(fns: dict, bits: int, gs: int, layers: dict) -> None:
-    a = mx.ones((1 << 30) // 4, dtype=mx.uint32)
-    mx.eval(_stream_read(a)())
-    print("stream read of 1 GiB: 1 launch", flush=True)
+def _stream_bytes(nbytes: int) -> mx.array:
+    """A uint32 array of at least ``nbytes`` (whole 16-byte loads) for the streaming read."""
+    return mx.ones((-(-nbytes // 16) * 4,), dtype=mx.uint32)
+
+
+def _launch_plan(fns: dict, bits: int, gs: int, layers: dict, ms=(1, 3)) -> Iterator[tuple]:
+    """(what, fn) for every launch ``launches_only`` profiles, in order: the 1 GiB read, then
+    per layer a streaming read of the layer's bytes (weights, scales, biases: what any one
+    launch that reads the layer must move) and each of our arms at each M."""
+    big = mx.ones((1 << 30) // 4, dtype=mx.uint32)
+    yield ("stream 1 GiB", big.nbytes), _stream_read(big)
     for name, (k, n) in layers.items():
         (w, scales, biases), xs = _weights(k, n, bits, gs)
+        nbytes = w.nbytes + scales.nbytes + biases.nbytes
+        yield (name, "read", nbytes), _stream_read(_stream_bytes(nbytes))
         for arm, fn in fns.items():
-            for M in (1, 3):
-                mx.eval(fn(xs[0][:M], w, scales, biases, group_size=gs, bits=bits))
-                print(f"{name} {arm} M={M}: 1 launch", flush=True)
+            if arm == "mlx":  # not ours: not in the profiler's filter
+                continue
+            for M in ms:
+                x = xs[0][:M]
+                mx.eval(x)
+                yield (name, arm, M), partial(fn, x, w, scales, biases, group_size=gs, bits=bits)
+
+
+def launches_only(fns: dict, bits: int, gs: int, layers: dict, repeats: int = 1) -> None:
+    """Each launch of ``_launch_plan`` run once to compile, then ``repeats`` times between
+    cuProfilerStart and Stop (for ``ncu --profile-from-start off``): only those are profiled."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    for what, fn in _launch_plan(fns, bits, gs, layers):
+        mx.eval(fn())
+        mx.synchronize()
+        cuda.cuProfilerStart()
+        for _ in range(repeats):
+            mx.eval(fn())
+        mx.synchronize()
+        cuda.cuProfilerStop()
+        print(f"{what}: {repeats} launches", flush=True)
+
+
+PROFILED = "regex:mtp_qmm|bench_stream_read"  # ncu's -k for launches_only's kernels
+
+
+def ncu_summary(
+    csv_text: str,
+    arms: list[str],
+    layers: dict,
+    repeats: int,
+    bits: int = 4,
+    gs: int = 64,
+    ms=(1, 3),
+) -> dict:
+    """Kernel durations (``ncu --csv --metrics gpu__time_duration.sum``, kernels ``PROFILED``)
+    of a ``launches_only`` run, mapped back to its plan: median us of each launch's repeats,
+    and GB/s. The plan's order is the CSV's; a count that differs is an error, not a guess."""
+    lines = csv_text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        raise ValueError('no ncu CSV header ("ID", ...) in the profile')
+    unit = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+    us = [float(r["Metric Value"].replace(",", "")) * unit[r["Metric Unit"]]
+          for r in csv.DictReader(lines[start:]) if r.get("Metric Name")]  # fmt: skip
+    ours = [a for a in arms if a != "mlx"]
+    plan: list[tuple] = [("stream 1 GiB",)]
+    for name in layers:
+        plan.append((name, "read"))
+        plan += [(name, arm, M) for arm in ours for M in ms]
+    if len(us) != len(plan) * repeats:
+        raise ValueError(f"{len(us)} kernels profiled, the plan has {len(plan)} x {repeats}")
+    med = {what: statistics.median(us[i * repeats : (i + 1) * repeats])
+           for i, what in enumerate(plan)}  # fmt: skip
+    big = (1 << 30) / (med[("stream 1 GiB",)] * 1e3)  # GB/s: bytes / ns
+    out: dict = {"device_read_gb_s": big, "stream_1gib_us": med[("stream 1 GiB",)], "layers": {}}
+    for name, (k, n) in layers.items():
+        nbytes = layer_bytes(k, n, bits, gs)
+        read = med[(name, "read")]
+        row = out["layers"][name] = {"bytes": nbytes, "read_us": read,
+                                     "read_gb_s": nbytes / (read * 1e3)}  # fmt: skip
+        for arm in ours:
+            row[arm] = {M: med[(name, arm, M)] for M in ms}
+    return out
+
+
+def layer_bytes(k: int, n: int, bits: int = 4, gs: int = 64) -> int:
+    """Bytes of an affine-quantized [N, K] weight with bf16 scales and biases."""
+    return n * k * bits // 8 + 2 * 2 * n * (k // gs)
+
+
+def ncu_markdown(s: dict, arms: list[str], ms=(1, 3)) -> str:
+    """The table of ``ncu_summary``: each arm at M = 1 against the device's read (1 GiB) and
+    against one streaming read of the same bytes (what a single launch can reach)."""
+    ours = [a for a in arms if a != "mlx"]
+    dev = s["device_read_gb_s"]
+    lines = [
+        f"Streaming read of 1 GiB: {s['stream_1gib_us']:.1f} us, {dev:.0f} GB/s (the device's "
+        "read bandwidth).",
+        "",
+        "| layer | MB | read of these bytes, us (GB/s, % of device) | arm | M=1 us | M=1 GB/s "
+        "| % of device | % of the same-size read | M=3 / M=1 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in s["layers"].items():
+        read = f"{r['read_us']:.1f} ({r['read_gb_s']:.0f}, {100 * r['read_gb_s'] / dev:.0f}%)"
+        for arm in ours:
+            one = r[arm][ms[0]]
+            gbs = r["bytes"] / (one * 1e3)
+            ratio = f"{r[arm][3] / one:.2f}" if 3 in r[arm] else ""
+            lines.append(f"| {name} | {r['bytes'] / 1e6:.1f} | {read} | {arm} | {one:.1f} | "
+                         f"{gbs:.0f} | {100 * gbs / dev:.0f}% | {100 * r['read_us'] / one:.0f}% | "
+                         f"{ratio} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -182,13 +294,32 @@ def main() -> None:
     ap.add_argument("--launches-only", action="store_true")
     ap.add_argument("--step", action="store_true", help="a decode step's fused products")
     ap.add_argument("--eager", action="store_true", help="time products op by op, not compiled")
+    ap.add_argument("--launch-repeats", type=int, default=1,
+                    help="with --launches-only: profiled launches of each")  # fmt: skip
+    ap.add_argument("--ncu-summary", type=Path, default=None,
+                    help="an ncu CSV of a --launches-only run (same --arms, --step, "
+                    "--launch-repeats): print its table")  # fmt: skip
     args = ap.parse_args()
+    layers = STEP_LAYERS if args.step else LAYERS
+    if args.ncu_summary:
+        s = ncu_summary(args.ncu_summary.read_text(), args.arms, layers, args.launch_repeats,
+                        args.bits, args.group_size)  # fmt: skip
+        s |= {
+            "arms": args.arms,
+            "launch_repeats": args.launch_repeats,
+            "profile": str(args.ncu_summary),
+        }
+        if args.out:
+            name = args.name or f"qmm_ncu_{args.bits}bit_g{args.group_size}"
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{name}.json").write_text(json.dumps(s, indent=1))
+        print(ncu_markdown(s, args.arms))
+        return
     if kernels.backend() != "cuda":
         raise SystemExit("needs the CUDA backend (the yardstick kernel is CUDA)")
     fns = arms(args.arms)
-    layers = STEP_LAYERS if args.step else LAYERS
     if args.launches_only:
-        launches_only(fns, args.bits, args.group_size, layers)
+        launches_only(fns, args.bits, args.group_size, layers, args.launch_repeats)
         return
     load_before = os.getloadavg()
     res: dict = {
