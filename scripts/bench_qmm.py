@@ -30,7 +30,6 @@ import csv
 import json
 import os
 import platform
-import re
 import statistics
 import time
 from collections.abc import Iterator
@@ -103,20 +102,15 @@ def device_read_bandwidth(repeats: int) -> dict:
 
 def arms(names: list[str]) -> dict:
     """``W`` -> our kernel with W split-K warps; ``WxB`` -> the same with launch bounds that
-    fit B blocks on a multiprocessor (ptxas caps its registers); ``WpD`` -> W warps that also
-    ask L2 for the weights D of their stretches ahead; ``mlx`` -> MLX's product."""
+    fit B blocks on a multiprocessor (ptxas caps its registers); ``mlx`` -> MLX's product."""
     out = {}
     for name in names:
         if name == "mlx":
             out[name] = qm.quantized_matmul_ops
             continue
-        m = re.fullmatch(r"(\d+)(?:x(\d+))?(?:p(\d+))?", name)
-        if m is None:
-            raise SystemExit(f"an arm is W, WxB, WpD or mlx, got {name!r}")
-        warps, blocks, ahead = m.groups()
+        warps, _, blocks = name.partition("x")
         out[name] = partial(qm.quantized_matmul_native, warps=int(warps),
-                            min_blocks=int(blocks) if blocks else None,
-                            prefetch=int(ahead) if ahead else 0)  # fmt: skip
+                            min_blocks=int(blocks) if blocks else None)  # fmt: skip
     return out
 
 
@@ -295,8 +289,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--name", default=None)
     ap.add_argument("--arms", nargs="+", default=[str(qm.WARPS), "mlx"],
-                    help="W (ours, W warps), WxB (launch bounds for B blocks), WpD (L2 hints D "
-                    "stretches ahead), mlx")  # fmt: skip
+                    help="W (ours, W warps), WxB (launch bounds for B blocks), mlx")  # fmt: skip
     ap.add_argument("--ms", type=int, nargs="+", default=list(range(1, 9)))
     ap.add_argument("--launches-only", action="store_true")
     ap.add_argument("--step", action="store_true", help="a decode step's fused products")

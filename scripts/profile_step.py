@@ -30,7 +30,6 @@ import mlx.core as mx
 
 from mtpcli import synthetic
 from mtpcli.engine.sampling import positions
-from mtpcli.kernels import quantized_matmul as qm
 from mtpcli.models import qwen3_5 as tm
 
 KINDS = (  # substring of a kernel's name -> what it is; the first match wins
@@ -157,11 +156,7 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3.8-27b", choices=sorted(synthetic.SHAPES))
     ap.add_argument("--summarize", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--qmm-prefetch", type=int, default=None,
-                    help="the product's L2 hints, stretches ahead (qm.PREFETCH)")  # fmt: skip
     args = ap.parse_args()
-    if args.qmm_prefetch is not None:
-        qm.PREFETCH = args.qmm_prefetch
     if args.summarize:
         print(summarize(args.summarize))
         return

@@ -158,20 +158,6 @@ def test_launch_bounds_cap_the_products_registers(tmp_path, bits):
     assert used * 32 * qm.WARPS * 5 <= 65536, used
 
 
-@pytest.mark.parametrize("bits", qm.BITS)
-def test_l2_hints_cost_the_product_no_block(tmp_path, bits):
-    """``prefetch`` (a benchmark arm): the hint is in the compiled code, and the product still
-    fits 4 blocks of 8 warps a multiprocessor without spilling (68 registers unbounded)."""
-    for prefetch in (0, 4):
-        code = _product(qm.PLAIN, BF16, bits, header=qm.header(qm.PLAIN, prefetch=prefetch))
-        report = _compile(tmp_path, code)
-        used = int(re.search(r"Used (\d+) registers", report).group(1))
-        assert _no_spills(report) and used * 32 * qm.WARPS * 4 <= 65536, (prefetch, used)
-        ptx = subprocess.run([NVCC, "-arch=sm_90", "-ptx", "-o", "-", str(tmp_path / "k.cu")],
-                             capture_output=True, text=True)  # fmt: skip
-        assert ("prefetch.global.L2" in ptx.stdout) == (prefetch > 0), prefetch
-
-
 @pytest.mark.parametrize("dtype", [BF16, HALF, F32])
 def test_gated_norm_kernel_compiles_without_spills(tmp_path, dtype):
     types = {"y": dtype, "z": dtype, "weight": dtype}

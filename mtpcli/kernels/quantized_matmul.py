@@ -30,9 +30,6 @@ from .gated_norm import row as gated_norm_row
 
 MAX_ROWS = 8  # the mma's n dimension
 WARPS = 8  # split-K warps per 16-row tile, reduced in a fixed order
-# L2 hints for the weights this many of a warp's stretches ahead (CUDA; 0: none). A hint
-# changes no arithmetic; being measured (scripts/bench_qmm.py arms WpD, profile_step.py).
-PREFETCH = 0
 GROUP_SIZES = (32, 64, 128)
 BITS = (4, 8)
 
@@ -166,14 +163,6 @@ __device__ __forceinline__ __half2 qm_ints(uint32_t w, int i, __half) {
   return __hsub2(*reinterpret_cast<const __half2*>(&m), *reinterpret_cast<const __half2*>(&c));
 }
 
-// A cache hint: the line holding p requested into L2, nothing returned (a weight a few
-// stretches ahead, so more of them are on their way from memory than registers can hold).
-__device__ __forceinline__ void qm_prefetch_l2(const void* p) {
-#ifdef __CUDA_ARCH__
-  asm volatile("prefetch.global.L2 [%0];" : : "l"(p));
-#endif
-}
-
 // A value rounded to the activations' type XT (the kernel's template type), as MLX's ops round.
 #define QM_RD(v) static_cast<float>(static_cast<XT>(v))
 
@@ -259,12 +248,6 @@ _CUDA_TEMPLATE = """
       const uint32_t wh[4] = {qh.x, qh.y, qh.z, qh.w};
       const XT2 s2_lo = pair(sl), b2_lo = pair(bl), s2_hi = pair(sh), b2_hi = pair(bh);
       if (st + WARPS < stretches) fetch(st + WARPS);
-#ifdef QM_PREFETCH
-      if (st + QM_PREFETCH * WARPS < stretches) {  // into L2 only: no register held
-        qm_prefetch_l2(w_lo + (st + QM_PREFETCH * WARPS) * 16 + t * 4);
-        qm_prefetch_l2(w_hi + (st + QM_PREFETCH * WARPS) * 16 + t * 4);
-      }
-#endif
       GATE_STRETCH
       for (int j = 0; j < 4; ++j) {
         uint32_t xv[XW];
@@ -712,21 +695,16 @@ def _build_metal(variant: Variant):
 NORM_MIN_BLOCKS = 4
 
 
-def header(
-    variant: Variant, warps: int = WARPS, min_blocks: int | None = None, prefetch: int = 0
-) -> str:
-    """The CUDA header a variant's kernel is built with (``min_blocks``: launch bounds;
-    ``prefetch`` > 0: each warp also asks L2 for the weights ``prefetch`` of its stretches
-    ahead, a hint that changes no arithmetic)."""
+def header(variant: Variant, warps: int = WARPS, min_blocks: int | None = None) -> str:
+    """The CUDA header a variant's kernel is built with (``min_blocks``: launch bounds)."""
     in_loop = variant.norm_eps is not None or variant.gate_eps is not None or variant.swiglu
-    if min_blocks is None and (in_loop or prefetch > 0) and warps == WARPS:  # 68 without
+    if min_blocks is None and in_loop and warps == WARPS:
         min_blocks = NORM_MIN_BLOCKS
-    return (_HEADER_CUDA + (launch_bounds(warps, min_blocks) if min_blocks else "")
-            + (f"#define QM_PREFETCH {prefetch}\n" if prefetch > 0 else ""))  # fmt: skip
+    return _HEADER_CUDA + (launch_bounds(warps, min_blocks) if min_blocks else "")
 
 
-def _kernel(variant: Variant, warps: int = WARPS, min_blocks: int | None = None, prefetch: int = 0):
-    text = header(variant, warps, min_blocks, prefetch)
+def _kernel(variant: Variant, warps: int = WARPS, min_blocks: int | None = None):
+    text = header(variant, warps, min_blocks)
     return built(_kernels, (variant, text), lambda: _build_cuda(variant, text),
                  lambda: _build_metal(variant))  # fmt: skip
 
@@ -742,16 +720,15 @@ def quantized_matmul_native(
     x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None,
     norm_weight: mx.array | None = None, eps: float = 1e-6, swiglu: bool = False,
     x_sums: mx.array | None = None, next_norm: mx.array | None = None, gate: Gate | None = None,
-    warps: int = WARPS, min_blocks: int | None = None, prefetch: int | None = None,
+    warps: int = WARPS, min_blocks: int | None = None,
 ):  # fmt: skip
     """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype, or with ``next_norm`` the
     tuple of ``quantized_matmul_ops`` (see there for the options; ``norm_weight``,
     ``next_norm`` and ``residual`` in x's dtype, ``x_sums`` [M, K/16] float32, a gate's source
     [M, >= offset + K] in x's dtype and its heads of 16 words' values); None where there is
-    none. ``warps``, ``min_blocks`` (launch bounds) and ``prefetch`` (L2 hints, stretches
-    ahead; CUDA, default ``PREFETCH``) are for benchmarks."""
+    none. ``warps`` and ``min_blocks`` (launch bounds, CUDA) are for benchmarks."""
     variant = _variant(norm_weight, eps, swiglu, residual, x_sums, next_norm, gate)
-    kernel = _kernel(variant, warps, min_blocks, PREFETCH if prefetch is None else prefetch)
+    kernel = _kernel(variant, warps, min_blocks)
     if kernel is None:
         return None
     M, N = x.shape[0], w.shape[0]
