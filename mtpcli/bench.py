@@ -426,14 +426,13 @@ def to_json(
 
 
 def _submitted(st: dict) -> str:
-    """How verify blocks (and decode steps) were submitted, for the report's settings line."""
+    """How verify blocks were submitted, for the report's settings line."""
     n = st.get("submit_every")
     if n is None:  # a report from before the setting was recorded
         return ""
     if not n:
         return ", each verify block submitted at its wait"
-    steps = "verify blocks and decode steps" if st.get("submit_decode") else "verify blocks"
-    return f", {steps} submitted every {n} layers"
+    return f", verify blocks submitted every {n} layers"
 
 
 def markdown(doc: dict) -> str:

@@ -398,7 +398,7 @@ def bench(
         "model": label, "blocks": block_size, "repeats": repeats, "max_tokens": max_tokens,
         "prompts": len(prompts), "simulate_acceptance": simulate_acceptance, "peers": peers,
         "kernels": kernels, "qmm": resolved_qmm() + (" (auto)" if qmm == "auto" else ""),
-        "submit_every": target.submit_every, "submit_decode": target.submit_decode,
+        "submit_every": target.submit_every,
         "peer_notes": peer_notes,
     }  # fmt: skip
     doc = B.to_json(result, table, info, settings, gate_doc)

@@ -108,11 +108,11 @@ def test_synthetic_shape_and_prompts_file(capsys, tmp_path):
     assert doc["arms"]["mtp-2"]["same_tokens_as_classic"] is True
     # How blocks were submitted is part of what a figure means: the default, recorded.
     every = 0 if kernels.backend() == "cpu" else 8
-    assert (doc["settings"]["submit_every"], doc["settings"]["submit_decode"]) == (every, False)
+    assert doc["settings"]["submit_every"] == every
     doc["settings"]["submit_every"] = 0
     assert "each verify block submitted at its wait" in markdown(doc)
-    doc["settings"] |= {"submit_every": 8, "submit_decode": True}
-    assert "verify blocks and decode steps submitted every 8 layers" in markdown(doc)
+    doc["settings"]["submit_every"] = 8
+    assert "verify blocks submitted every 8 layers" in markdown(doc)
     capsys.readouterr()
     assert run(["bench", "--prompts", str(tmp_path / "missing.txt")]) != 0
 

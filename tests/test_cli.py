@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from mtpcli.cli import run
 
 
@@ -76,13 +74,8 @@ def test_console_script_and_module_entry_points(tmp_path):
     assert bad.returncode == 1 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
 
 
-@pytest.mark.parametrize(
-    "var,value,says",
-    [("MTP_SUBMIT_EVERY", "often", "MTP_SUBMIT_EVERY must be a number of layers"),
-     ("MTP_SUBMIT_DECODE", "yes", "MTP_SUBMIT_DECODE must be 0 or 1")],
-)  # fmt: skip
-def test_a_bad_submit_setting_is_a_named_error(capsys, monkeypatch, var, value, says):
-    monkeypatch.setenv(var, value)
+def test_a_bad_submit_setting_is_a_named_error(capsys, monkeypatch):
+    monkeypatch.setenv("MTP_SUBMIT_EVERY", "often")
     assert run(["generate", "-p", "hello", "-n", "4"]) != 0
     err = capsys.readouterr().err
-    assert says in err and "Traceback" not in err
+    assert "MTP_SUBMIT_EVERY must be a number of layers" in err and "Traceback" not in err

@@ -312,7 +312,7 @@ def test_the_folded_conv_kernel_runs_every_gated_delta_layer(load, monkeypatch, 
 def test_a_verify_submitted_in_parts_still_equals_classic(load, monkeypatch):
     """With ``submit_every`` (MTP_SUBMIT_EVERY) a verify block's stream is submitted every few
     layers while the rest is built: each verify adds a submission a layer at 1, and MTP still
-    equals classic; with ``submit_decode`` classic's steps too, its tokens unchanged."""
+    equals classic. Classic's decode steps are not submitted in parts."""
     from mtpcli.errors import UsageError
 
     loaded = load(bits=4)
@@ -329,19 +329,9 @@ def test_a_verify_submitted_in_parts_still_equals_classic(load, monkeypatch):
     base = submissions()
     monkeypatch.setattr(loaded.target, "submit_every", 1)
     assert submissions() - base >= len(loaded.target.layers)  # a verify's layers, at least
-    # MTP_SUBMIT_DECODE (an experiment) submits decode steps in parts too: same tokens.
     calls.clear()
     assert _classic(loaded, prompt, 24) == want
-    plain = len(calls)
-    monkeypatch.setattr(loaded.target, "submit_decode", True)
-    calls.clear()
-    assert _classic(loaded, prompt, 24) == want
-    assert len(calls) - plain >= 23 * len(loaded.target.layers)  # a step's layers, each step
-    monkeypatch.delenv("MTP_SUBMIT_DECODE", raising=False)
-    assert target_mod.submit_decode() is False
-    monkeypatch.setenv("MTP_SUBMIT_DECODE", "yes")
-    with pytest.raises(UsageError, match="MTP_SUBMIT_DECODE"):
-        target_mod.submit_decode()
+    assert len(calls) <= 24  # a submission a step at most: none in parts
     monkeypatch.delenv("MTP_SUBMIT_EVERY", raising=False)
     monkeypatch.setattr(kernels, "backend", lambda: "cpu")
     assert target_mod.submit_every() == 0  # the CPU: its compute hides the overlap

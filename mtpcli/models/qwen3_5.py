@@ -299,14 +299,6 @@ def submit_every() -> int:
     return n
 
 
-def submit_decode() -> bool:
-    """``MTP_SUBMIT_DECODE=1``: submit decode steps in parts too (an experiment, off)."""
-    raw = os.environ.get("MTP_SUBMIT_DECODE", "0")
-    if raw not in ("0", "1"):
-        raise UsageError(f"MTP_SUBMIT_DECODE must be 0 or 1, got {raw!r}")
-    return raw == "1"
-
-
 class Qwen35Target:
     """A loaded Qwen3.5-family target with the surface the engines need."""
 
@@ -316,11 +308,9 @@ class Qwen35Target:
         # A verify block is waited for as soon as it is built (the round needs its accepted
         # count), so the device idles while Python builds it. Every ``submit_every`` layers
         # the stream so far is submitted (mx.async_eval), the device running the first
-        # layers while the rest are built; 0 submits once, at the wait. A decode step's build
-        # was meant to overlap the step before, but MLX's async_eval returns only once most of
-        # a step has run (session 11): ``submit_decode`` tries decode steps in parts too.
+        # layers while the rest are built; 0 submits once, at the wait. Decode steps are not
+        # submitted in parts: on the H200 that measured no faster (session 18).
         self.submit_every = submit_every()
-        self.submit_decode = submit_decode()
         ours = kernels.qmm() == "ours"
         if ours:  # decode and verify rows then share one product kernel
             quantized_matmul.install(model)
@@ -493,7 +483,7 @@ class Qwen35Target:
         mask = create_attention_mask(h, kv)  # unused where attention goes position by position
         traces: list[GatedDeltaTrace | None] = []
         hs = (h,)  # the residual stream (see ``stream``)
-        every = self.submit_every if verify or (self.submit_decode and T == 1) else 0
+        every = self.submit_every if verify else 0
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             if layer.is_linear:
                 hs, trace = self._linear_layer(i, hs, c, verify, compiled)
