@@ -66,3 +66,23 @@ def test_a_profile_that_does_not_fit_the_plan_is_refused():
         bench_qmm.ncu_summary(_csv([1000] * (n - 1)), ["8", "8x5"], LAYERS, 3)
     with pytest.raises(ValueError, match="CSV header"):
         bench_qmm.ncu_summary("==WARNING== No kernels were profiled.\n", ["8"], LAYERS, 1)
+
+
+def test_the_summary_runs_without_a_gpu_and_writes_its_table(tmp_path):
+    """``--ncu-summary`` reads a profile taken on the GPU machine, here (no CUDA needed)."""
+    import json
+    import subprocess
+    import sys
+
+    n = (1 + len(bench_qmm.STEP_LAYERS) * 3) * 2  # 1 GiB read; per product its read, M = 1, 3
+    profile = tmp_path / "step.csv"
+    profile.write_text(_csv([2000] * n))
+    out = subprocess.run(
+        [sys.executable, str(_PATH), "--step", "--ncu-summary", str(profile), "--arms", "8",
+         "--launch-repeats", "2", "--out", str(tmp_path), "--name", "s"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("| 8 |") == len(bench_qmm.STEP_LAYERS)
+    saved = json.loads((tmp_path / "s.json").read_text())
+    assert set(saved["layers"]) == set(bench_qmm.STEP_LAYERS) and saved["launch_repeats"] == 2
