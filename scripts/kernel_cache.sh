@@ -3,6 +3,10 @@
 #
 #   bash scripts/kernel_cache.sh save $OUT/kernels.tgz      # at the end of a machine session
 #   bash scripts/kernel_cache.sh restore .kernels/kernels.tgz   # before the first MLX process
+#   bash scripts/kernel_cache.sh save $OUT/kernels.tgz 15M  # in parts of at most 15 MiB
+#
+# Saved in parts (ARCHIVE.part-aa, -ab, ...; a tool that brings back files of limited size),
+# it is restored from ARCHIVE's parts when ARCHIVE itself is not there.
 #
 # A fresh H200 machine spends minutes compiling MLX's and our kernels before the first figure
 # (session 17: a warm-up `mtp bench` ran past 170 s, and the processes after it past 70 s
@@ -13,8 +17,9 @@
 set -euo pipefail
 what=${1:-}
 archive=${2:-}
-if [[ -z "$archive" || ( "$what" != save && "$what" != restore ) ]]; then
-    echo "usage: kernel_cache.sh save|restore ARCHIVE.tgz" >&2
+part=${3:-}
+if [[ -z "$archive" || ( "$what" != save && "$what" != restore ) || ( -n "$part" && "$what" != save ) ]]; then
+    echo "usage: kernel_cache.sh save ARCHIVE.tgz [PART_SIZE] | restore ARCHIVE.tgz" >&2
     exit 2
 fi
 version=$(python -c "import mlx.core as mx; print(mx.__version__)")
@@ -29,8 +34,20 @@ if [[ "$what" == save ]]; then
     echo "$version" > "$stage/mlx_version"
     tar -czf "$archive" -C "$stage" .
     echo "saved $(find "$stage/ptx" -type f | wc -l) MLX and $(find "$stage/driver" -type f | wc -l) driver files to $archive ($(du -h "$archive" | cut -f1))"
+    if [[ -n "$part" ]]; then
+        split -b "$part" "$archive" "$archive.part-"
+        rm "$archive"
+        echo "in $(ls "$archive".part-* | wc -l) parts: $archive.part-*"
+    fi
 else
-    tar -xzf "$archive" -C "$stage"
+    if [[ -f "$archive" ]]; then
+        tar -xzf "$archive" -C "$stage"
+    elif compgen -G "$archive.part-*" > /dev/null; then
+        cat "$archive".part-* | tar -xzf - -C "$stage"
+    else
+        echo "no kernel cache at $archive (nor its parts)" >&2
+        exit 1
+    fi
     if [[ "$(cat "$stage/mlx_version")" != "$version" ]]; then
         echo "kernel cache is for MLX $(cat "$stage/mlx_version"), this is $version: not restored" >&2
         exit 1

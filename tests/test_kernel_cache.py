@@ -56,3 +56,29 @@ def test_a_cache_of_another_mlx_or_a_bad_call_is_refused(tmp_path, machine):
     assert refused.returncode == 1 and "is for MLX 0.0.1" in refused.stderr
     assert not (tmp_path / "ptx" / "k.ptx").exists()
     assert _run("keep", archive, machine).returncode == 2
+
+
+def test_a_cache_saved_in_parts_comes_back_from_its_parts(tmp_path, machine):
+    """Saved in parts of a given size (a device tool that returns files of limited size), the
+    cache is restored from the parts; with neither archive nor parts, a named error."""
+    (tmp_path / "ptx").mkdir()
+    (tmp_path / "ptx" / "k.ptx").write_bytes(os.urandom(3000))  # incompressible: 3+ parts
+    archive = tmp_path / "out" / "kernels.tgz"
+    archive.parent.mkdir()
+    saved = subprocess.run(["bash", str(_SCRIPT), "save", str(archive), "1k"], env=machine,
+                           capture_output=True, text=True)  # fmt: skip
+    assert saved.returncode == 0, saved.stderr
+    parts = sorted(archive.parent.glob("kernels.tgz.part-*"))
+    assert len(parts) >= 3 and not archive.exists()
+    assert all(p.stat().st_size <= 1024 for p in parts)
+    fresh = machine | {"MLX_PTX_CACHE_DIR": str(tmp_path / "new" / "ptx")}
+    back = _run("restore", archive, fresh)
+    assert back.returncode == 0, back.stderr
+    assert (tmp_path / "new" / "ptx" / "k.ptx").read_bytes() == (
+        tmp_path / "ptx" / "k.ptx"
+    ).read_bytes()
+    missing = _run("restore", tmp_path / "none.tgz", fresh)
+    assert missing.returncode == 1 and "no kernel cache" in missing.stderr
+    restore_in_parts = subprocess.run(["bash", str(_SCRIPT), "restore", str(archive), "1k"],
+                                      env=machine, capture_output=True, text=True)  # fmt: skip
+    assert restore_in_parts.returncode == 2
