@@ -172,32 +172,42 @@ def _stream_bytes(nbytes: int) -> mx.array:
     return mx.ones((-(-nbytes // 16) * 4,), dtype=mx.uint32)
 
 
-def _launch_plan(fns: dict, bits: int, gs: int, layers: dict, ms=(1, 3)) -> Iterator[tuple]:
-    """(what, fn) for every launch ``launches_only`` profiles, in order: the 1 GiB read, then
-    per layer a streaming read of the layer's bytes (weights, scales, biases: what any one
-    launch that reads the layer must move) and each of our arms at each M."""
-    big = mx.ones((1 << 30) // 4, dtype=mx.uint32)
-    yield ("stream 1 GiB", big.nbytes), _stream_read(big)
-    for name, (k, n) in layers.items():
-        (w, scales, biases), xs = _weights(k, n, bits, gs)
-        nbytes = w.nbytes + scales.nbytes + biases.nbytes
-        yield (name, "read", nbytes), _stream_read(_stream_bytes(nbytes))
-        for arm, fn in fns.items():
-            if arm == "mlx":  # not ours: not in the profiler's filter
-                continue
-            for M in ms:
-                x = xs[0][:M]
-                mx.eval(x)
-                yield (name, arm, M), partial(fn, x, w, scales, biases, group_size=gs, bits=bits)
+GIB = ("stream 1 GiB",)
+
+
+def plan(arms: list[str], layers: dict, ms=(1, 3)) -> list[tuple]:
+    """What ``launches_only`` profiles, in order (the one order ``ncu_summary`` reads back):
+    the 1 GiB read, then per layer a streaming read of its bytes (weights, scales, biases:
+    what any one launch that reads the layer must move) and each of our arms at each M."""
+    ours = [a for a in arms if a != "mlx"]  # MLX's product is not in the profiler's filter
+    out = [GIB]
+    for name in layers:
+        out += [(name, "read")] + [(name, arm, M) for arm in ours for M in ms]
+    return out
+
+
+def _launches(fns: dict, bits: int, gs: int, layers: dict) -> Iterator[tuple]:
+    """(what, fn) for each entry of ``plan``, a layer's weights made when it is reached."""
+    for what in plan(list(fns), layers):
+        if what == GIB:
+            yield what, _stream_read(mx.ones((1 << 30) // 4, dtype=mx.uint32))
+        elif what[1] == "read":
+            (w, scales, biases), xs = _weights(*layers[what[0]], bits, gs)
+            nbytes = w.nbytes + scales.nbytes + biases.nbytes
+            yield what, _stream_read(_stream_bytes(nbytes))
+        else:
+            x = xs[0][: what[2]]
+            mx.eval(x)
+            yield what, partial(fns[what[1]], x, w, scales, biases, group_size=gs, bits=bits)
 
 
 def launches_only(fns: dict, bits: int, gs: int, layers: dict, repeats: int = 1) -> None:
-    """Each launch of ``_launch_plan`` run once to compile, then ``repeats`` times between
+    """Each launch of ``plan`` run once to compile, then ``repeats`` times between
     cuProfilerStart and Stop (for ``ncu --profile-from-start off``): only those are profiled."""
     import ctypes
 
     cuda = ctypes.CDLL("libcuda.so.1")
-    for what, fn in _launch_plan(fns, bits, gs, layers):
+    for what, fn in _launches(fns, bits, gs, layers):
         mx.eval(fn())
         mx.synchronize()
         cuda.cuProfilerStart()
@@ -206,9 +216,6 @@ def launches_only(fns: dict, bits: int, gs: int, layers: dict, repeats: int = 1)
         mx.synchronize()
         cuda.cuProfilerStop()
         print(f"{what}: {repeats} launches", flush=True)
-
-
-PROFILED = "regex:mtp_qmm|bench_stream_read"  # ncu's -k for launches_only's kernels
 
 
 def ncu_summary(
@@ -220,9 +227,10 @@ def ncu_summary(
     gs: int = 64,
     ms=(1, 3),
 ) -> dict:
-    """Kernel durations (``ncu --csv --metrics gpu__time_duration.sum``, kernels ``PROFILED``)
-    of a ``launches_only`` run, mapped back to its plan: median us of each launch's repeats,
-    and GB/s. The plan's order is the CSV's; a count that differs is an error, not a guess."""
+    """Kernel durations (``ncu --csv --metrics gpu__time_duration.sum``, kernels
+    ``regex:mtp_qmm|bench_stream_read``) of a ``launches_only`` run, mapped back to its
+    ``plan``: median us of each launch's repeats, and GB/s. The plan's order is the CSV's; a
+    count that differs is an error, not a guess."""
     lines = csv_text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
     if start is None:
@@ -231,16 +239,13 @@ def ncu_summary(
     us = [float(r["Metric Value"].replace(",", "")) * unit[r["Metric Unit"]]
           for r in csv.DictReader(lines[start:]) if r.get("Metric Name")]  # fmt: skip
     ours = [a for a in arms if a != "mlx"]
-    plan: list[tuple] = [("stream 1 GiB",)]
-    for name in layers:
-        plan.append((name, "read"))
-        plan += [(name, arm, M) for arm in ours for M in ms]
-    if len(us) != len(plan) * repeats:
-        raise ValueError(f"{len(us)} kernels profiled, the plan has {len(plan)} x {repeats}")
+    order = plan(arms, layers, ms)
+    if len(us) != len(order) * repeats:
+        raise ValueError(f"{len(us)} kernels profiled, the plan has {len(order)} x {repeats}")
     med = {what: statistics.median(us[i * repeats : (i + 1) * repeats])
-           for i, what in enumerate(plan)}  # fmt: skip
-    big = (1 << 30) / (med[("stream 1 GiB",)] * 1e3)  # GB/s: bytes / ns
-    out: dict = {"device_read_gb_s": big, "stream_1gib_us": med[("stream 1 GiB",)], "layers": {}}
+           for i, what in enumerate(order)}  # fmt: skip
+    big = (1 << 30) / (med[GIB] * 1e3)  # GB/s: bytes / ns
+    out: dict = {"device_read_gb_s": big, "stream_1gib_us": med[GIB], "layers": {}}
     for name, (k, n) in layers.items():
         nbytes = layer_bytes(k, n, bits, gs)
         read = med[(name, "read")]

@@ -28,6 +28,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest.mock import patch
 
 import mlx.core as mx
 
@@ -92,11 +93,8 @@ def op_costs() -> dict:
         steps["our_qmm"] = lambda v: qm.quantized_matmul_native(v, w, s, b, group_size=64, bits=4)
     res = {name: chain_us(step, x) for name, step in steps.items()}
     if "our_qmm" in steps:  # the same product with its sizes as template constants
-        qm.CONSTANT_SIZES = True
-        try:
+        with patch.object(qm, "CONSTANT_SIZES", True):
             res["our_qmm_constant_sizes"] = chain_us(steps["our_qmm"], x)
-        finally:
-            qm.CONSTANT_SIZES = False
     if kernels.available("cuda"):
         res |= custom_kernel_costs()
     return res

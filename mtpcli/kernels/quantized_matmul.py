@@ -743,11 +743,12 @@ def quantized_matmul_native(
     [M, >= offset + K] in x's dtype and its heads of 16 words' values); None where there is
     none. ``warps`` and ``min_blocks`` (launch bounds, CUDA) are for benchmarks."""
     variant = _variant(norm_weight, eps, swiglu, residual, x_sums, next_norm, gate)
-    kernel = _kernel(variant, warps, min_blocks, CONSTANT_SIZES)
+    constant = CONSTANT_SIZES
+    kernel = _kernel(variant, warps, min_blocks, constant)
     if kernel is None:
         return None
     M, N = x.shape[0], w.shape[0]
-    sizes = [("QM_M", M), ("QM_K", x.shape[1]), ("QM_N", N)] if CONSTANT_SIZES else []
+    sizes = [("QM_M", M), ("QM_K", x.shape[1]), ("QM_N", N)] if constant else []
     n_out, groups = launch_shape(N, swiglu)
     nw = norm_weight if norm_weight is not None else next_norm
     extra = [a for a in (nw, x_sums, residual) if a is not None]
