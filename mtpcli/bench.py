@@ -167,6 +167,7 @@ class Arm:
     tokens_per_verify: list[float] = field(default_factory=list)
     draft_ms: list[float] = field(default_factory=list)
     verify_ms: list[float] = field(default_factory=list)
+    verify_build_ms: list[float] = field(default_factory=list)  # of verify_ms: the host's build
     rollback_ms: list[float] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
 
@@ -186,6 +187,7 @@ class Arm:
                 "tokens_per_verify": spread(self.tokens_per_verify),
                 "draft_ms_per_round": spread(self.draft_ms),
                 "verify_ms_per_round": spread(self.verify_ms),
+                "verify_build_ms_per_round": spread(self.verify_build_ms),
                 "rollback_ms_per_round": spread(self.rollback_ms),
             }
         return out
@@ -208,6 +210,7 @@ def run_arm(arm: Arm, generate: Callable[[GenerationStats], list[int]]) -> None:
         arm.tokens_per_verify.append(r.tokens_per_verify)
         arm.draft_ms.append(r.draft_s * per_round)
         arm.verify_ms.append(r.verify_s * per_round)
+        arm.verify_build_ms.append(r.verify_build_s * per_round)
         arm.rollback_ms.append(r.rollback_s * per_round)
 
 
@@ -308,7 +311,8 @@ def _merge(arm: Arm, per_prompt: Arm) -> None:
     arm.tps.append(sum(n) / seconds if seconds else 0.0)
     arm.tokens.extend(per_prompt.tokens)
     arm.peak_memory_gb = max(arm.peak_memory_gb, per_prompt.peak_memory_gb)
-    for name in ("acceptance", "tokens_per_verify", "draft_ms", "verify_ms", "rollback_ms"):
+    for name in ("acceptance", "tokens_per_verify", "draft_ms", "verify_ms", "verify_build_ms",
+                 "rollback_ms"):
         values = getattr(per_prompt, name)
         if values:
             getattr(arm, name).append(statistics.mean(values))
@@ -469,8 +473,8 @@ def markdown(doc: dict) -> str:
     lines += [
         "",
         "| arm | tok/s | vs classic | acceptance | tokens/verify | draft ms | verify ms "
-        "| rollback ms | peak GB | tokens = classic |",
-        "|" + "---|" * 10,
+        "| of which building | rollback ms | peak GB | tokens = classic |",
+        "|" + "---|" * 11,
     ]
     classic = doc["classic_tps"]
     for arm in doc["arms"].values():
@@ -481,10 +485,11 @@ def markdown(doc: dict) -> str:
                 cell(arm["tokens_per_verify"]),
                 cell(arm["draft_ms_per_round"]),
                 cell(arm["verify_ms_per_round"]),
+                cell(arm["verify_build_ms_per_round"]),
                 cell(arm["rollback_ms_per_round"]),
             ]
         else:
-            extra = ["-"] * 5
+            extra = ["-"] * 6
         same = arm.get("same_tokens_as_classic", "-")
         lines.append(
             f"| {arm['name']} | {cell(arm['tps'])} | {ratio:.2f}x | "

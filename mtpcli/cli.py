@@ -65,8 +65,8 @@ def _print_stats(stats, draft_kind: str) -> None:
             f"{r.tokens_per_verify:.2f} tokens/verify"
         )
         err.print(
-            f"MTP time per round: draft {r.draft_s * ms:.2f} ms, verify {r.verify_s * ms:.2f} ms, "
-            f"rollback {r.rollback_s * ms:.2f} ms"
+            f"MTP time per round: draft {r.draft_s * ms:.2f} ms, verify {r.verify_s * ms:.2f} ms "
+            f"({r.verify_build_s * ms:.2f} building it), rollback {r.rollback_s * ms:.2f} ms"
         )
 
 
@@ -90,6 +90,7 @@ def _stats_json(stats) -> dict:
             "tokens_per_verify": r.tokens_per_verify,
             "draft_ms": r.draft_s * 1000,
             "verify_ms": r.verify_s * 1000,
+            "verify_build_ms": r.verify_build_s * 1000,
             "rollback_ms": r.rollback_s * 1000,
         }
     return out

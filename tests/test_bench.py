@@ -24,9 +24,14 @@ def test_bench_json_on_the_example(capsys, tmp_path):
     assert set(doc["speedup"]) == {"2", "3"} and 0 <= doc["acceptance_rate"]["3"] <= 1
     assert sorted(int(t) for t in doc["verify_cost"]) == list(range(1, 9))
     assert all(arm.get("same_tokens_as_classic", True) for arm in doc["arms"].values())
+    # a verify's time splits into building its graph and waiting for it (the compute, here)
+    built, verify = (
+        doc["arms"]["mtp-3"][f"{k}_ms_per_round"]["median"] for k in ("verify_build", "verify")
+    )
+    assert 0 < built < verify
     assert doc["machine"]["backend"] == "cpu" and len(doc["machine"]["load_before"]) == 3
     md = next(tmp_path.glob("bench-*.md")).read_text()
-    assert "mtp block 3" in md and "median (min-max)" in md
+    assert "mtp block 3" in md and "median (min-max)" in md and "of which building" in md
     assert json.loads(next(tmp_path.glob("bench-*.json")).read_text())["settings"]["repeats"] == 1
 
 

@@ -21,7 +21,8 @@ class MTPStats:
     accepted_at: list[int] = field(default_factory=list)  # per draft position
     accept_histogram: list[int] = field(default_factory=list)  # rounds by accepted count 0..k
     draft_s: float = 0.0
-    verify_s: float = 0.0
+    verify_s: float = 0.0  # from the drafts' submission to the accepted count, of which
+    verify_build_s: float = 0.0  # building the verify's graph (the rest: waiting for it)
     rollback_s: float = 0.0
 
     def __post_init__(self) -> None:
