@@ -1,0 +1,149 @@
+"""Where a decode step's and an MTP round's wall time goes on a CUDA GPU: the GPU's busy time.
+
+    python scripts/probe_timeline.py --tokens 48 --out DIR          # 27B shape, 4-bit, random
+    python scripts/probe_timeline.py --summary DIR/trace.json       # re-read a saved trace
+
+MLX exposes no GPU timeline, but CUPTI traces every kernel of the process, whoever launched it:
+the script runs our classic loop and our MTP loop (drafts swapped for the target's own tokens
+with probability ``--simulate-acceptance``, as ``mtp bench`` does) under ``torch.profiler``
+(PyTorch is only the tracer here), with each classic token and each MTP round marked on the
+host. Per token and per round it reports the wall time, the time at least one kernel ran (the
+union of the kernels' intervals inside the window), and the kernel count; medians (min-max).
+A window whose busy time is well under its wall time was paced by the host (building graphs,
+encoding launches), not by the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+MARKS = ("token", "round")  # the host's windows: a classic token, an MTP round (from its draft)
+
+
+def busy_us(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """The length of the union of ``intervals`` (start, end) clipped to [lo, hi)."""
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
+    total, end = 0.0, lo
+    for a, b in clipped:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def windows(events: list[dict]) -> dict[str, list[dict]]:
+    """A chrome trace's events -> per mark, each window's wall, GPU busy (us) and kernels."""
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e.get("cat") == "kernel" and "dur" in e)  # fmt: skip
+    out: dict[str, list[dict]] = {m: [] for m in MARKS}
+    for mark in MARKS:
+        starts = sorted(e["ts"] for e in events
+                        if e.get("cat") == "user_annotation" and e.get("name") == mark)  # fmt: skip
+        # a window ends where the next starts; the first (a classic run's holds its prefill) is
+        # left out
+        for lo, hi in list(zip(starts, starts[1:], strict=False))[1:]:
+            inside = sum(1 for a, b in kernels if a >= lo and a < hi)
+            out[mark].append({"wall_us": hi - lo, "busy_us": busy_us(kernels, lo, hi),
+                              "kernels": inside})  # fmt: skip
+    return out
+
+
+def summary(events: list[dict]) -> dict:
+    """Medians (min-max) per mark of wall ms, busy ms, busy / wall and kernels."""
+
+    def spread(values: list[float]) -> dict:
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    res = {}
+    for mark, ws in windows(events).items():
+        if ws:
+            res[mark] = {"n": len(ws),
+                         "wall_ms": spread([w["wall_us"] / 1e3 for w in ws]),
+                         "busy_ms": spread([w["busy_us"] / 1e3 for w in ws]),
+                         "busy_share": spread([w["busy_us"] / w["wall_us"] for w in ws]),
+                         "kernels": spread([w["kernels"] for w in ws])}  # fmt: skip
+    return res
+
+
+def run(args) -> list[dict]:
+    """Our classic and MTP loops under the profiler; the trace's events."""
+    try:
+        import torch.profiler as tp
+    except ImportError:
+        sys.exit("probe_timeline: needs PyTorch (its profiler reads CUPTI's kernel trace)")
+    import mlx.core as mx
+
+    from mtpcli import kernels, synthetic
+    from mtpcli.bench import simulated_drafts
+    from mtpcli.engine.classic import generate_classic
+    from mtpcli.engine.mtp import generate_mtp
+
+    if kernels.backend() != "cuda":
+        sys.exit("probe_timeline: needs MLX's CUDA backend (CUPTI traces CUDA kernels)")
+    target, drafter = synthetic.build(args.shape, bits=args.bits)
+    prompt = [(7 * i + 3) % 1000 for i in range(64)]
+    reference = list(generate_classic(target, prompt, max_tokens=args.tokens + 8))
+
+    def classic(n: int, mark: bool) -> None:
+        gen = generate_classic(target, prompt, max_tokens=n)
+        while True:
+            with tp.record_function("token") if mark else nullcontext():
+                if next(gen, None) is None:
+                    return
+
+    def mtp(n: int, mark: bool) -> None:
+        propose = simulated_drafts(reference, len(prompt), args.simulate_acceptance, seed=1)
+
+        def marked(*a):
+            with tp.record_function("round") if mark else nullcontext():
+                return propose(*a)  # the mark's start is what counts: a round starts here
+
+        list(generate_mtp(target, drafter, prompt, block_size=args.block_size, max_tokens=n,
+                          propose=marked))  # fmt: skip
+
+    classic(16, False)  # warm-up: kernels, self-checks, traces
+    mtp(16, False)
+    mx.synchronize()
+    acts = [tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA]
+    with tp.profile(activities=acts) as prof:
+        classic(args.tokens, True)
+        mtp(args.tokens, True)
+        mx.synchronize()
+    path = args.out / "trace.json"
+    prof.export_chrome_trace(str(path))
+    return json.loads(path.read_text())["traceEvents"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="qwen3.8-27b")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--block-size", type=int, default=3)
+    ap.add_argument("--simulate-acceptance", type=float, default=0.7)
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--summary", type=Path, help="summarise a saved trace, run nothing")
+    args = ap.parse_args()
+    if args.summary:
+        events = json.loads(args.summary.read_text())["traceEvents"]
+        res = {"trace": str(args.summary)}
+    else:
+        args.out.mkdir(parents=True, exist_ok=True)
+        load = os.getloadavg()
+        events = run(args)
+        res = {"settings": vars(args) | {"out": str(args.out)}, "load_before": load,
+               "load_after": os.getloadavg()}  # fmt: skip
+    res["windows"] = summary(events)
+    print(json.dumps(res["windows"], indent=1))
+    if not args.summary:
+        (args.out / "timeline.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
