@@ -311,8 +311,14 @@ def _merge(arm: Arm, per_prompt: Arm) -> None:
     arm.tps.append(sum(n) / seconds if seconds else 0.0)
     arm.tokens.extend(per_prompt.tokens)
     arm.peak_memory_gb = max(arm.peak_memory_gb, per_prompt.peak_memory_gb)
-    for name in ("acceptance", "tokens_per_verify", "draft_ms", "verify_ms", "verify_build_ms",
-                 "rollback_ms"):
+    for name in (
+        "acceptance",
+        "tokens_per_verify",
+        "draft_ms",
+        "verify_ms",
+        "verify_build_ms",
+        "rollback_ms",
+    ):
         values = getattr(per_prompt, name)
         if values:
             getattr(arm, name).append(statistics.mean(values))
