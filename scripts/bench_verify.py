@@ -279,7 +279,6 @@ def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = 
                                    ours(target)),
         "ours_norm_apart": (_patched(qm, FUSE_NORM=False), ours(target)),
         "ours_norm_begun": (_patched(qm, BEGIN_NORMS=True), ours(target)),
-        "ours_constant_sizes": (_patched(qm, CONSTANT_SIZES=True), ours(target)),
         "ours_swiglu_apart": (_patched(qm, FUSE_SWIGLU=False), ours(target)),
         "ours_eager": (lambda: _compile("off"), ours(target)),
         "ours_unfused": (nullcontext, ours(unfused)),
@@ -576,7 +575,6 @@ def _markdown(res: dict, args) -> str:
                   "ours_norm_begun": "same, each norm begun by the residual add before it "
                                      "and finished by the product after it",
                   "ours_swiglu_apart": "same, the MLP's swiglu apart from its product",
-                  "ours_constant_sizes": "same, the products' sizes as template constants",
                   "ours_no_gc": "same, Python's garbage collector off",
                   "ours_eager": "same, not compiled (op by op)",
                   "ours_unfused": "ours, projections unfused",

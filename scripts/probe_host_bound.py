@@ -14,9 +14,8 @@ each run's tokens after the fourth, in ms; with ``--sync-every-other`` odd runs 
 ``mx.eval`` instead, and ``--clear-cache`` empties MLX's buffer cache before each run.
 
 ``--op-costs`` times chains of 400 dependent calls of one kind in one graph (build, then
-evaluate; us a call, median of 7): MLX ops, MLX's quantized product, ours (on a GPU; also
-with its sizes as template constants, ``qm.CONSTANT_SIZES``), and, on CUDA, trivial custom
-kernels that read their inputs' shapes, constants or strides.
+evaluate; us a call, median of 7): MLX ops, MLX's quantized product, ours (on a GPU), and, on
+CUDA, trivial custom kernels that read their inputs' shapes, constants or strides.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from unittest.mock import patch
 
 import mlx.core as mx
 
@@ -92,9 +90,6 @@ def op_costs() -> dict:
     if qm._kernel(qm.PLAIN) is not None:
         steps["our_qmm"] = lambda v: qm.quantized_matmul_native(v, w, s, b, group_size=64, bits=4)
     res = {name: chain_us(step, x) for name, step in steps.items()}
-    if "our_qmm" in steps:  # the same product with its sizes as template constants
-        with patch.object(qm, "CONSTANT_SIZES", True):
-            res["our_qmm_constant_sizes"] = chain_us(steps["our_qmm"], x)
     if kernels.available("cuda"):
         res |= custom_kernel_costs()
     return res

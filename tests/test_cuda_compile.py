@@ -109,9 +109,9 @@ VARIANT_IDS = ["plain", "residual", "norm", "swiglu", "norm_swiglu", "residual_e
 
 
 def _product(variant: qm.Variant, xt: str, bits: int, group_size: int = 64,
-             header: str | None = None, sizes: tuple | None = None) -> str:  # fmt: skip
+             header: str | None = None) -> str:  # fmt: skip
     """A product variant's source wrapped as MLX wraps it, with its header (launch bounds
-    included where the variant has them); ``sizes``: (M, K, N) as template constants."""
+    included where the variant has them)."""
     header = qm.header(variant) if header is None else header
     types = {"x": xt, "w": U32, "scales": xt, "biases": xt}
     types |= {"norm_w": xt} if variant.norm_eps is not None or variant.emits else {}
@@ -121,11 +121,7 @@ def _product(variant: qm.Variant, xt: str, bits: int, group_size: int = 64,
     outputs = {"y": xt} | ({"y_w": xt, "y_sums": "float"} if variant.emits else {})
     constants = {"XT": xt, "ST": xt, "BITS": bits, "GS": group_size, "WARPS": qm.WARPS}
     constants |= {"Z_OFF": 10240} if variant.gate_eps is not None else {}
-    source = qm.source(False, variant)
-    if sizes is not None:
-        source = qm.sized(source)
-        constants |= dict(zip(("QM_M", "QM_K", "QM_N"), sizes, strict=True))
-    return _wrap(source, header, types, outputs, constants)
+    return _wrap(qm.source(False, variant), header, types, outputs, constants)
 
 
 @pytest.mark.parametrize("xt", [BF16, HALF])
@@ -150,18 +146,6 @@ def test_quantized_matmul_variants_fit_four_blocks_per_multiprocessor(tmp_path, 
     assert _no_spills(report), report
     used = int(re.search(r"Used (\d+) registers", report).group(1))
     assert used * 32 * qm.WARPS * 4 <= 65536, used
-
-
-@pytest.mark.parametrize("variant", VARIANTS[:6], ids=VARIANT_IDS[:6])
-@pytest.mark.parametrize("sizes", [(1, 5120, 34816), (3, 17408, 5120)], ids=["m1", "m3"])
-def test_constant_sizes_keep_four_blocks_and_pass_no_shapes(tmp_path, variant, sizes):
-    """``CONSTANT_SIZES`` at a decode step's and a verify block's sizes: no spills, still 4
-    blocks a multiprocessor, and no shape is read (MLX then passes none at a call)."""
-    code = _product(variant, BF16, 4, sizes=sizes)
-    assert "_shape" not in qm.sized(qm.source(False, variant))
-    report = _compile(tmp_path, code)
-    used = int(re.search(r"Used (\d+) registers", report).group(1))
-    assert _no_spills(report) and used * 32 * qm.WARPS * 4 <= 65536, used
 
 
 @pytest.mark.parametrize("bits", qm.BITS)

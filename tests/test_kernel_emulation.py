@@ -236,11 +236,9 @@ def _outputs(variant: qm.Variant, m: int, n: int) -> dict:
 def _metal_qmm(x: np.ndarray, w, scales, biases, group_size: int, bits: int,
                residual: np.ndarray | None = None, variant: qm.Variant = qm.PLAIN,
                norm_w: np.ndarray | None = None, source: str | None = None,
-               x_sums: np.ndarray | None = None, gate: tuple | None = None,
-               sizes: bool = False):  # fmt: skip
+               x_sums: np.ndarray | None = None, gate: tuple | None = None):  # fmt: skip
     """The Metal product's y, or with ``variant.emits`` all its outputs (a dict); ``gate``:
-    (z's source, z's offset, the norm's weight), float32 values; ``sizes``: its sizes as
-    template constants (``qm.CONSTANT_SIZES``)."""
+    (z's source, z's offset, the norm's weight), float32 values."""
     n = w.shape[0]
     if residual is not None and not variant.residual:
         variant = dataclasses.replace(variant, residual=True)
@@ -249,14 +247,12 @@ def _metal_qmm(x: np.ndarray, w, scales, biases, group_size: int, bits: int,
     extra |= {"x_sums": x_sums} if x_sums is not None else {}
     extra |= {"residual": residual} if residual is not None else {}
     extra |= {"z": gate[0], "gate_w": gate[2]} if gate is not None else {}
-    source = source or qm.source(True, variant)
     out = cuda_emulation.run(
-        qm.sized(source) if sizes else source,
+        source or qm.source(True, variant),
         {"x": x, "w": w, "scales": scales, "biases": biases} | extra,
         _outputs(variant, x.shape[0], n),
         {"XT": "float", "ST": "float", "BITS": bits, "GS": group_size, "WARPS": qm.WARPS}
-        | ({"Z_OFF": gate[1]} if gate is not None else {})
-        | (_sizes(x, n) if sizes else {}),
+        | ({"Z_OFF": gate[1]} if gate is not None else {}),
         grid=(32 * qm.WARPS * groups, 1, 1),
         threadgroup=(32 * qm.WARPS, 1, 1),
     )
@@ -280,34 +276,6 @@ def test_emulated_metal_quantized_matmul_matches_the_reference(bits, group_size)
                                    bits=bits)  # fmt: skip
     np.testing.assert_allclose(got[8], np.array(want), rtol=1e-4, atol=1e-4)
     assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
-
-
-def _sizes(x, n: int) -> dict:
-    """The template constants of a product's sizes: x's rows and columns, w's rows."""
-    return {"QM_M": x.shape[0], "QM_K": x.shape[1], "QM_N": n}
-
-
-@pytest.mark.parametrize("bits", qm.BITS)
-def test_emulated_products_with_constant_sizes_are_the_same_bits(bits):
-    """``CONSTANT_SIZES`` changes where the product reads its sizes, not its arithmetic: CUDA
-    (with the input norm and swiglu folded in, as the MLP's gate/up runs) and Metal give the
-    bits of the shape-reading kernel at M = 1, 3 and 8."""
-    n, k, gs = 48, 512, 64
-    w, scales, biases = qm.random_quantized(n, k, gs, bits, mx.bfloat16, seed=bits + 5)
-    x = mx.random.normal((8, k), key=mx.random.key(bits)).astype(mx.bfloat16)
-    nw = mx.random.uniform(0.5, 1.5, (k,), key=mx.random.key(3)).astype(mx.bfloat16)
-    variant = qm.Variant(1e-6, swiglu=True)
-    metal = [np.array(a.astype(mx.float32)) for a in (x, w, scales, biases)]
-    metal[1] = np.array(w)
-    for m in (1, 3, 8):
-        cuda = [_cuda_qmm(x[:m], w, scales, biases, gs, bits, variant=variant, norm_w=nw,
-                          sizes=sizes) for sizes in (False, True)]  # fmt: skip
-        assert cuda[0].shape == (m, n // 2) and np.array_equal(cuda[0], cuda[1]), m
-        plain = [_metal_qmm(metal[0][:m], *metal[1:], gs, bits, sizes=sizes)
-                 for sizes in (False, True)]  # fmt: skip
-        assert plain[0].shape == (m, n) and np.array_equal(plain[0], plain[1]), m
-    with pytest.raises(AssertionError):  # a source whose sizes are already constants
-        qm.sized(qm.sized(qm.source(False)))
 
 
 def _bits16(a: mx.array) -> np.ndarray:
@@ -345,10 +313,8 @@ def _as_dequantized(x, w, scales, biases, group_size, bits) -> np.ndarray:
 
 def _cuda_qmm(x, w, scales, biases, group_size, bits, warps=qm.WARPS, residual=None,
               variant: qm.Variant = qm.PLAIN, norm_w=None, source: str | None = None,
-              x_sums: np.ndarray | None = None, gate: qm.Gate | None = None,
-              sizes: bool = False):  # fmt: skip
-    """The CUDA product's y, or with ``variant.emits`` all its outputs (a dict); ``sizes``:
-    its sizes as template constants (``qm.CONSTANT_SIZES``)."""
+              x_sums: np.ndarray | None = None, gate: qm.Gate | None = None):  # fmt: skip
+    """The CUDA product's y, or with ``variant.emits`` all its outputs (a dict)."""
     n = w.shape[0]
     if residual is not None and not variant.residual:
         variant = dataclasses.replace(variant, residual=True)
@@ -358,15 +324,13 @@ def _cuda_qmm(x, w, scales, biases, group_size, bits, warps=qm.WARPS, residual=N
     extra |= {"residual": _bits16(residual)} if residual is not None else {}
     if gate is not None:
         extra |= {"z": _bits16(gate.source), "gate_w": _bits16(gate.weight)}
-    source = source or qm.source(False, variant)
     out = cuda_emulation.run(
-        qm.sized(source) if sizes else source,
+        source or qm.source(False, variant),
         {"x": _bits16(x), "w": np.array(w), "scales": _bits16(scales), "biases": _bits16(biases)}
         | extra,
         _outputs(variant, x.shape[0], n),
         {"XT": "__nv_bfloat16", "ST": "__nv_bfloat16", "BITS": bits, "GS": group_size,
-         "WARPS": warps} | ({"Z_OFF": gate.offset} if gate is not None else {})
-        | (_sizes(x, n) if sizes else {}),
+         "WARPS": warps} | ({"Z_OFF": gate.offset} if gate is not None else {}),
         grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
         header=cuda_emulation.emulated_mma(qm._HEADER_CUDA),

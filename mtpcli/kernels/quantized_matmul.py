@@ -658,26 +658,12 @@ def source(metal: bool, variant: Variant = PLAIN) -> str:
     return text
 
 
-# A product's sizes, as the template reads them from its arrays, and as template constants
-# (``CONSTANT_SIZES``): then MLX passes no shape at a call (reading a shape cost a custom
-# kernel's evaluation about 2 us of host time on the H200, session 11).
-_SIZES = ("const int M = x_shape[0];\n    const int K = x_shape[1];\n"
-          "    const int N = w_shape[0];")  # fmt: skip
-_SIZES_CONSTANT = "const int M = QM_M;\n    const int K = QM_K;\n    const int N = QM_N;"
-
-
-def sized(text: str) -> str:
-    """A variant's source with its sizes as the template constants QM_M, QM_K, QM_N."""
-    assert text.count(_SIZES) == 1
-    return text.replace(_SIZES, _SIZES_CONSTANT)
-
-
 _CUDA_SOURCE, _METAL_SOURCE = source(False), source(True)  # the plain product's
 _kernels: dict = {}
 
 
-def _spec(metal: bool, header: str, variant: Variant = PLAIN, sizes: bool = False) -> dict:
-    text = sized(source(metal, variant)) if sizes else source(metal, variant)
+def _spec(metal: bool, header: str, variant: Variant = PLAIN) -> dict:
+    text = source(metal, variant)
     return {
         "name": kernel_name("mtp_qmm" + variant.suffix(), text, header),
         "input_names": ["x", "w", "scales", "biases"]
@@ -691,16 +677,16 @@ def _spec(metal: bool, header: str, variant: Variant = PLAIN, sizes: bool = Fals
     }
 
 
-def _build_cuda(variant: Variant, header: str = _HEADER_CUDA, sizes: bool = False):
+def _build_cuda(variant: Variant, header: str = _HEADER_CUDA):
     if not available("cuda"):
         return None
-    return mx.fast.cuda_kernel(**_spec(False, header, variant, sizes))
+    return mx.fast.cuda_kernel(**_spec(False, header, variant))
 
 
-def _build_metal(variant: Variant, sizes: bool = False):
+def _build_metal(variant: Variant):
     if not available("metal"):
         return None
-    return mx.fast.metal_kernel(**_spec(True, "", variant, sizes))
+    return mx.fast.metal_kernel(**_spec(True, "", variant))
 
 
 # The norm and swiglu variants take 66-68 registers unbounded (3 blocks of 8 warps a
@@ -717,11 +703,10 @@ def header(variant: Variant, warps: int = WARPS, min_blocks: int | None = None) 
     return _HEADER_CUDA + (launch_bounds(warps, min_blocks) if min_blocks else "")
 
 
-def _kernel(variant: Variant, warps: int = WARPS, min_blocks: int | None = None,
-            sizes: bool = False):  # fmt: skip
+def _kernel(variant: Variant, warps: int = WARPS, min_blocks: int | None = None):
     text = header(variant, warps, min_blocks)
-    return built(_kernels, (variant, text, sizes), lambda: _build_cuda(variant, text, sizes),
-                 lambda: _build_metal(variant, sizes))  # fmt: skip
+    return built(_kernels, (variant, text), lambda: _build_cuda(variant, text),
+                 lambda: _build_metal(variant))  # fmt: skip
 
 
 def _variant(norm_weight, eps: float, swiglu: bool, residual, x_sums, next_norm,
@@ -743,12 +728,10 @@ def quantized_matmul_native(
     [M, >= offset + K] in x's dtype and its heads of 16 words' values); None where there is
     none. ``warps`` and ``min_blocks`` (launch bounds, CUDA) are for benchmarks."""
     variant = _variant(norm_weight, eps, swiglu, residual, x_sums, next_norm, gate)
-    constant = CONSTANT_SIZES
-    kernel = _kernel(variant, warps, min_blocks, constant)
+    kernel = _kernel(variant, warps, min_blocks)
     if kernel is None:
         return None
     M, N = x.shape[0], w.shape[0]
-    sizes = [("QM_M", M), ("QM_K", x.shape[1]), ("QM_N", N)] if constant else []
     n_out, groups = launch_shape(N, swiglu)
     nw = norm_weight if norm_weight is not None else next_norm
     extra = [a for a in (nw, x_sums, residual) if a is not None]
@@ -763,8 +746,7 @@ def quantized_matmul_native(
             ("GS", group_size),
             ("WARPS", warps),
         ]
-        + ([("Z_OFF", gate.offset)] if gate is not None else [])
-        + sizes,
+        + ([("Z_OFF", gate.offset)] if gate is not None else []),
         grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[(M, n_out)] + [(M, N), (M, groups)] * emits,
@@ -888,8 +870,7 @@ def _native(
         and use_native(
             "quantized_matmul" + variant.suffix(),
             (backend(), str(x.dtype), str(scales.dtype), group_size, bits, variant.eps())
-            + ((str(gate_dtype),) if gate is not None else ())
-            + (("constant sizes",) if CONSTANT_SIZES else ()),
+            + ((str(gate_dtype),) if gate is not None else ()),
             lambda: _self_check(x.dtype, scales.dtype, group_size, bits, variant, gate_dtype),
         )  # fmt: skip
     ):
@@ -952,10 +933,6 @@ BEGIN_NORMS = False
 # for the 48 launches saved (docs/benchmark_results/README.md, session 16); bench_verify's
 # ``ours_gate_folded`` arm.
 FUSE_GATE = False
-# Whether the product's sizes (M, K, N) are template constants instead of read from its
-# arrays' shapes: a kernel per shape and row count, against a cheaper call. Off until measured
-# (bench_verify's ``ours_constant_sizes`` arm); the arithmetic is the same either way.
-CONSTANT_SIZES = False
 
 
 @dataclass(frozen=True, eq=False)  # arrays and a module: compared by identity
