@@ -135,20 +135,20 @@ def simulated_drafts(reference: list[int], prompt_len: int, p: float, seed: int)
     """A ``draft`` that swaps each draft for the target's own next token with probability p.
 
     ``reference`` is the classic greedy continuation, which at temperature 0 is exactly what
-    the target would say next. The drafter still runs and the target still verifies.
+    the target would say next. The drafter still runs and the target still verifies. Whether
+    the draft for output position j is swapped depends on (seed, j) alone, so drafts made
+    ahead and then discarded (``accept_drafting_ahead``) change nothing after them.
     """
-    rng = random.Random(seed)
-    seen = {"tokens": 0}
 
     def propose(drafter, target, tokens, hidden, cache, k, s):
+        # the drafter has seen the prompt but its first token, then the output up to pending
+        pending = drafter.offset(cache) + len(tokens) - prompt_len  # its index in the output
         drafts, q = draft(drafter, target, tokens, hidden, cache, k, s)
-        seen["tokens"] += len(tokens)
-        pending = seen["tokens"] - prompt_len  # index of the pending token in the output
         swap = [False] * k
         own = [0] * k
         for i in range(k):
             j = pending + 1 + i
-            if j < len(reference) and rng.random() < p:
+            if j < len(reference) and random.Random(seed * 1_000_003 + j).random() < p:
                 swap[i], own[i] = True, reference[j]
         # on the device, so the drafts are not waited for (as ``draft`` leaves them)
         return mx.where(mx.array(swap), mx.array(own, drafts.dtype), drafts), q

@@ -362,3 +362,59 @@ def test_eos_and_max_tokens_stop_both_engines(load):
     assert c == m == full[:first]
     for n in (1, 2, 5):
         assert _mtp(loaded, prompt, n, 4) == full[:n]
+
+
+@pytest.mark.parametrize("block", [2, 3, 4])
+def test_drafts_made_ahead_are_the_drafts_made_after_the_verdict(load, block, monkeypatch):
+    """``MTP_DRAFT_AHEAD``: during accept's wait the next drafts are built for the case that
+    every draft is accepted, kept when that is the count, and the drafter's cache trimmed back
+    when not. Every verify block, drafts included, equals the one made without drafting ahead,
+    and MTP still equals classic. A random drafter (whose drafts depend on all its cache), with
+    70% of its drafts swapped for the target's own tokens, so that guesses hold and fail."""
+    from mtpcli.bench import simulated_drafts
+    from mtpcli.engine import MTPStats
+    from mtpcli.engine import mtp as engine
+    from mtpcli.errors import UsageError
+
+    loaded = load(bits=4, drafter="random")
+    k, calls, blocks, counts = block - 1, [], [], []
+    real_forward, real_record = loaded.target.forward, MTPStats.record
+
+    def forward(tokens, cache, *, verify=False):
+        if verify:
+            blocks.append(tokens.tolist())
+        return real_forward(tokens, cache, verify=verify)
+
+    monkeypatch.setattr(loaded.target, "forward", forward)
+    monkeypatch.setattr(
+        MTPStats, "record", lambda r, d, a: counts.append(a) or real_record(r, d, a)
+    )
+    hits = misses = 0
+    for i, prompt in enumerate(PROMPTS[1:6]):
+        want = _classic(loaded, prompt, 40)
+        seen = {}
+        for ahead in (False, True):
+            simulated = simulated_drafts(want, len(prompt), 0.7, seed=i)
+            for log in (calls, blocks, counts):
+                log.clear()
+
+            def counted(*a, f=simulated):
+                calls.append(1)
+                return f(*a)
+
+            got = list(generate_mtp(loaded.target, loaded.drafter, prompt, block_size=block,
+                                    max_tokens=40, ahead=ahead, propose=counted))  # fmt: skip
+            assert got == want, (prompt[:6], ahead)
+            seen[ahead] = (list(blocks), list(counts), len(calls))
+        assert seen[True][:2] == seen[False][:2]  # the same drafts, round by round
+        rounds, used = len(counts), sum(c == k for c in counts[:-1])
+        assert seen[False][2] == rounds  # one draft a round
+        assert seen[True][2] == 2 * rounds - used  # one ahead a round; used after a full accept
+        hits, misses = hits + used, misses + sum(c < k for c in counts[:-1])
+    assert hits > 0 and misses > 0  # both ways out of a guess ran
+    monkeypatch.setenv("MTP_DRAFT_AHEAD", "1")
+    assert engine.drafts_ahead()
+    for bad in ("yes", "2", ""):
+        monkeypatch.setenv("MTP_DRAFT_AHEAD", bad)
+        with pytest.raises(UsageError, match="MTP_DRAFT_AHEAD"):
+            engine.drafts_ahead()

@@ -84,6 +84,9 @@ class Qwen35MTPDrafter:
         for c in cache:
             c.trim(n)
 
+    def offset(self, cache: list) -> int:
+        return cache[0].offset
+
 
 def load_drafter(model_dir: Path, config: ModelConfig, embed_tokens: nn.Module) -> Qwen35MTPDrafter:
     module = Qwen35MTP(config)

@@ -8,6 +8,7 @@ is identical to classic decoding.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Iterator
 
@@ -17,25 +18,26 @@ from ..drafters import Drafter
 from ..errors import UsageError
 from ..models.qwen3_5 import Qwen35Target, cache_arrays, rollback
 from . import GenerationStats, MTPStats, prompt_array
-from .sampling import SamplingParams, accept, greedy, pick, positions, probs
+from .sampling import SamplingParams, accept, accept_greedy, greedy, pick, positions, probs
 
 
 def draft(
     drafter: Drafter,
     target: Qwen35Target,
-    tokens: list[int],
+    tokens: mx.array,
     hidden: mx.array,
     cache: list,
     k: int,
     s: SamplingParams,
 ) -> tuple[mx.array, mx.array | None]:
-    """Catch the drafter up on ``tokens`` (with the target hidden before each), then chain k drafts.
+    """Catch the drafter up on ``tokens`` [L] (with the target hidden before each, [1, L, H]),
+    then chain k drafts.
 
     Returns the drafts [k] and, when sampling, the drafter distributions they were drawn from.
     The drafts are submitted, not waited for: the device computes them while the host builds
     the verify that takes them.
     """
-    h = drafter.forward(mx.array([tokens]), hidden, cache)[:, -1:]  # [1, 1, H]
+    h = drafter.forward(tokens[None], hidden, cache)[:, -1:]  # [1, 1, H]
     drafts, qs = [], []
     for i in range(k):
         logits = target.lm_head(h)[0, -1]  # [V]
@@ -52,6 +54,36 @@ def draft(
     return out, (mx.stack(qs) if qs else None)
 
 
+def drafts_ahead() -> bool:
+    """``MTP_DRAFT_AHEAD``: build the next round's drafts while accept waits (1) or not (0)."""
+    raw = os.environ.get("MTP_DRAFT_AHEAD", "0")
+    if raw not in ("0", "1"):
+        raise UsageError(f"MTP_DRAFT_AHEAD must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def accept_drafting_ahead(drafter, target, logits, drafts, hidden, cache, k, s, propose=draft):
+    """Greedy accept, with the next round's drafts built while the device finishes the verify.
+
+    They are made for the case that all k drafts are accepted, whose tokens and hidden states
+    are the verify's own (still lazy): the verdict is submitted first, so waiting for it does not
+    wait for them. Returns (accepted count, next token, the next round's drafts or None); the
+    drafter's cache is left as ``draft`` expects it either way.
+    """
+    targets = greedy(logits)  # [k+1]
+    both = mx.concatenate([targets, drafts.astype(targets.dtype)])
+    mx.async_eval(both)
+    drafter.trim(cache, k - 1)  # the last round's chained drafts, as every round
+    guess = mx.concatenate([drafts.astype(targets.dtype), targets[-1:]])  # [k+1]
+    ahead, _ = propose(drafter, target, guess, hidden, cache, k, s)
+    values = both.tolist()
+    n = accept_greedy(values[k + 1 :], values[: k + 1])
+    if n < k:  # not the guessed count: undo its k+1 positions caught up and k-1 chained
+        drafter.trim(cache, 2 * k)
+        ahead = None
+    return n, values[n], ahead
+
+
 def generate_mtp(
     target: Qwen35Target,
     drafter: Drafter,
@@ -63,16 +95,20 @@ def generate_mtp(
     eos_ids: Iterable[int] = (),
     stats: GenerationStats | None = None,
     propose=draft,
+    ahead: bool | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids (EOS excluded) until EOS or ``max_tokens``.
 
-    ``propose`` makes the drafts (``draft``'s signature); benchmarks swap in a wrapper.
+    ``propose`` makes the drafts (``draft``'s signature); benchmarks swap in a wrapper. With
+    ``ahead`` (default ``MTP_DRAFT_AHEAD``), greedy rounds build the next drafts during accept's
+    wait (``accept_drafting_ahead``).
     """
     if not 2 <= block_size <= 16:
         raise UsageError(f"block size must be in [2, 16], got {block_size}")
     stats = stats if stats is not None else GenerationStats()
     stats.mtp = rs = MTPStats(block_size)
     eos, k = set(eos_ids), block_size - 1
+    ahead = (drafts_ahead() if ahead is None else ahead) and sampling.greedy
     tokens = prompt_array(prompt)
     tcache, dcache = target.make_cache(), drafter.make_cache()
     start = time.perf_counter()
@@ -81,8 +117,9 @@ def generate_mtp(
     stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
     start = time.perf_counter()
     # The drafter sees token j+1 with the target hidden at j.
-    ctx_tokens, ctx_hidden = tokens[0, 1:].tolist() + [pending], hidden
-    emitted, n = [pending], 0
+    ctx_tokens = mx.array(tokens[0, 1:].tolist() + [pending], mx.uint32)
+    ctx_hidden = hidden
+    emitted, n, next_drafts = [pending], 0, None
     try:
         while True:
             for t in emitted:
@@ -94,17 +131,25 @@ def generate_mtp(
             if n >= max_tokens:
                 return
             t0 = time.perf_counter()
-            drafts, q = propose(drafter, target, ctx_tokens, ctx_hidden, dcache, k, sampling)
+            if next_drafts is None:
+                drafts, q = propose(drafter, target, ctx_tokens, ctx_hidden, dcache, k, sampling)
+            else:  # built during the last round's accept
+                drafts, q = next_drafts, None
             t1 = time.perf_counter()
             block = mx.concatenate([mx.array([pending], drafts.dtype), drafts])[None]  # [1, k+1]
             out = target.forward(block, tcache, verify=True)
             logits = positions(target.lm_head(out.hidden, exact=True))  # [k+1, V]
             t_built = time.perf_counter()  # the rest of the verify is the wait for the device
-            n_acc, nxt = accept(logits, drafts, q, sampling)
+            if ahead:
+                n_acc, nxt, next_drafts = accept_drafting_ahead(
+                    drafter, target, logits, drafts, out.hidden, dcache, k, sampling, propose
+                )
+            else:
+                n_acc, nxt = accept(logits, drafts, q, sampling)
+                drafter.trim(dcache, k - 1)
             draft_ids = drafts.tolist()  # computed by now: accept read the verify
             t2 = time.perf_counter()
             rollback(tcache, out.traces, n_acc + 1, k + 1)
-            drafter.trim(dcache, k - 1)
             mx.async_eval(cache_arrays(tcache))  # the next round's draft is built meanwhile
             rs.record(k, n_acc)
             rs.draft_s += t1 - t0
@@ -112,7 +157,8 @@ def generate_mtp(
             rs.verify_build_s += t_built - t1
             rs.rollback_s += time.perf_counter() - t2
             emitted = draft_ids[:n_acc] + [nxt]
-            ctx_tokens, ctx_hidden, pending = emitted, out.hidden[:, : n_acc + 1], nxt
+            ctx_tokens, ctx_hidden = mx.array(emitted, mx.uint32), out.hidden[:, : n_acc + 1]
+            pending = nxt
     finally:
         stats.generation_s = time.perf_counter() - start
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
