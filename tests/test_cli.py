@@ -74,8 +74,14 @@ def test_console_script_and_module_entry_points(tmp_path):
     assert bad.returncode == 1 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
 
 
-def test_a_bad_submit_setting_is_a_named_error(capsys, monkeypatch):
+def test_bad_engine_settings_are_named_errors(capsys, monkeypatch):
     monkeypatch.setenv("MTP_SUBMIT_EVERY", "often")
     assert run(["generate", "-p", "hello", "-n", "4"]) != 0
     err = capsys.readouterr().err
     assert "MTP_SUBMIT_EVERY must be a number of layers" in err and "Traceback" not in err
+    monkeypatch.delenv("MTP_SUBMIT_EVERY")
+    monkeypatch.setenv("MTP_DRAFT_AHEAD", "yes")
+    for command in (["generate", "-p", "hello", "-n", "4"], ["bench", "--repeats", "1"]):
+        assert run(command) != 0  # on the CPU the gate keeps MTP off: read before it decides
+        err = capsys.readouterr().err
+        assert "MTP_DRAFT_AHEAD must be 0 or 1" in err and "Traceback" not in err
