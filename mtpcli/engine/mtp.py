@@ -62,8 +62,19 @@ def drafts_ahead() -> bool:
     return raw == "1"
 
 
-def accept_drafting_ahead(drafter, target, logits, drafts, hidden, cache, k, s, propose=draft):
-    """Greedy accept, with the next round's drafts built while the device finishes the verify.
+def accept_drafting_ahead(
+    drafter: Drafter,
+    target: Qwen35Target,
+    logits: mx.array,
+    drafts: mx.array,
+    hidden: mx.array,
+    cache: list,
+    k: int,
+    s: SamplingParams,
+    propose=draft,
+) -> tuple[int, int, mx.array | None]:
+    """Greedy accept of drafts [k] from the verify's logits [k+1, V] and hidden states
+    [1, k+1, H], with the next round's drafts built while the device finishes the verify.
 
     They are made for the case that all k drafts are accepted, whose tokens and hidden states
     are the verify's own (still lazy): the verdict is submitted first, so waiting for it does not
