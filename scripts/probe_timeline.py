@@ -7,10 +7,13 @@ MLX exposes no GPU timeline, but CUPTI traces every kernel of the process, whoev
 the script runs our classic loop and our MTP loop (drafts swapped for the target's own tokens
 with probability ``--simulate-acceptance``, as ``mtp bench`` does) under ``torch.profiler``
 (PyTorch is only the tracer here), with each classic token and each MTP round marked on the
-host. Per token and per round it reports the wall time, the time at least one kernel ran (the
-union of the kernels' intervals inside the window), and the kernel count; medians (min-max).
-A window whose busy time is well under its wall time was paced by the host (building graphs,
-encoding launches), not by the kernels.
+host (a round runs from one verify's build to the next). Per token and per round it reports
+the wall time, the time at least one kernel ran (the union of the kernels' intervals inside
+the window), and the kernel count; medians (min-max). A window whose busy time is well under
+its wall time was paced by the host (building graphs, encoding launches), not by the kernels.
+Per round it also reports the host's time in each phase (drafting, building the verify,
+accept with its wait, the rollback) and the GPU's busy time during it. Settings such as
+``MTP_DRAFT_AHEAD`` and ``MTP_SUBMIT_EVERY`` apply as in ``mtp``.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ import statistics
 import sys
 from contextlib import nullcontext
 from pathlib import Path
+from unittest.mock import patch
 
-MARKS = ("token", "round")  # the host's windows: a classic token, an MTP round (from its draft)
+# The host's windows: a classic token, an MTP round (from its verify's build to the next's).
+MARKS = {"token": "token", "verify": "round"}
+PHASES = ("draft", "verify", "accept", "rollback")  # a round's host phases, marked as ranges
 
 
 def busy_us(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
@@ -41,16 +47,33 @@ def windows(events: list[dict]) -> dict[str, list[dict]]:
     """A chrome trace's events -> per mark, each window's wall, GPU busy (us) and kernels."""
     kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                      if e.get("cat") == "kernel" and "dur" in e)  # fmt: skip
-    out: dict[str, list[dict]] = {m: [] for m in MARKS}
-    for mark in MARKS:
+    out: dict[str, list[dict]] = {name: [] for name in MARKS.values()}
+    for mark, name in MARKS.items():
         starts = sorted(e["ts"] for e in events
                         if e.get("cat") == "user_annotation" and e.get("name") == mark)  # fmt: skip
         # a window ends where the next starts; the first (a classic run's holds its prefill) is
         # left out
         for lo, hi in list(zip(starts, starts[1:], strict=False))[1:]:
             inside = sum(1 for a, b in kernels if a >= lo and a < hi)
-            out[mark].append({"wall_us": hi - lo, "busy_us": busy_us(kernels, lo, hi),
-                              "kernels": inside})  # fmt: skip
+            out[name].append({"wall_us": hi - lo, "busy_us": busy_us(kernels, lo, hi),
+                              "kernels": inside, "lo": lo, "hi": hi})  # fmt: skip
+    return out
+
+
+def phases(events: list[dict], rounds: list[dict]) -> dict[str, list[dict]]:
+    """Per phase, per round: the host's time in that phase's ranges (us) and the GPU's busy
+    time during them (a range belongs to the round it starts in)."""
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e.get("cat") == "kernel" and "dur" in e)  # fmt: skip
+    out: dict[str, list[dict]] = {}
+    for phase in PHASES:
+        spans = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                 if e.get("cat") == "user_annotation" and e.get("name") == phase]  # fmt: skip
+        out[phase] = [
+            {"host_us": sum(b - a for a, b in spans if r["lo"] <= a < r["hi"]),
+             "busy_us": sum(busy_us(kernels, a, b) for a, b in spans if r["lo"] <= a < r["hi"])}
+            for r in rounds
+        ]  # fmt: skip
     return out
 
 
@@ -61,13 +84,20 @@ def summary(events: list[dict]) -> dict:
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
     res = {}
-    for mark, ws in windows(events).items():
+    found = windows(events)
+    for name, ws in found.items():
         if ws:
-            res[mark] = {"n": len(ws),
+            res[name] = {"n": len(ws),
                          "wall_ms": spread([w["wall_us"] / 1e3 for w in ws]),
                          "busy_ms": spread([w["busy_us"] / 1e3 for w in ws]),
                          "busy_share": spread([w["busy_us"] / w["wall_us"] for w in ws]),
                          "kernels": spread([w["kernels"] for w in ws])}  # fmt: skip
+    if found["round"]:
+        res["round_phases"] = {
+            phase: {"host_ms": spread([p["host_us"] / 1e3 for p in per]),
+                    "busy_ms": spread([p["busy_us"] / 1e3 for p in per])}
+            for phase, per in phases(events, found["round"]).items()
+        }  # fmt: skip
     return res
 
 
@@ -79,13 +109,11 @@ def run(args) -> list[dict]:
         sys.exit("probe_timeline: needs PyTorch (its profiler reads CUPTI's kernel trace)")
     import mlx.core as mx
 
-    from mtpcli import kernels, synthetic
+    from mtpcli import synthetic
     from mtpcli.bench import simulated_drafts
+    from mtpcli.engine import mtp as engine
     from mtpcli.engine.classic import generate_classic
-    from mtpcli.engine.mtp import generate_mtp
 
-    if kernels.backend() != "cuda":
-        sys.exit("probe_timeline: needs MLX's CUDA backend (CUPTI traces CUDA kernels)")
     target, drafter = synthetic.build(args.shape, bits=args.bits)
     prompt = [(7 * i + 3) % 1000 for i in range(64)]
     reference = list(generate_classic(target, prompt, max_tokens=args.tokens + 8))
@@ -97,23 +125,36 @@ def run(args) -> list[dict]:
                 if next(gen, None) is None:
                     return
 
-    def mtp(n: int, mark: bool) -> None:
+    def ranged(name: str, fn):
+        def marked(*a, **kw):
+            with tp.record_function(name):
+                return fn(*a, **kw)
+
+        return marked
+
+    forward = target.forward
+
+    def verify_marked(tokens, cache, *, verify=False):
+        with tp.record_function("verify") if verify else nullcontext():
+            return forward(tokens, cache, verify=verify)
+
+    def mtp(n: int) -> None:
         propose = simulated_drafts(reference, len(prompt), args.simulate_acceptance, seed=1)
-
-        def marked(*a):
-            with tp.record_function("round") if mark else nullcontext():
-                return propose(*a)  # the mark's start is what counts: a round starts here
-
-        list(generate_mtp(target, drafter, prompt, block_size=args.block_size, max_tokens=n,
-                          propose=marked))  # fmt: skip
+        with (patch.object(target, "forward", verify_marked),
+              patch.object(engine, "accept", ranged("accept", engine.accept)),
+              patch.object(engine, "accept_drafting_ahead",
+                           ranged("accept", engine.accept_drafting_ahead)),
+              patch.object(engine, "rollback", ranged("rollback", engine.rollback))):  # fmt: skip
+            list(engine.generate_mtp(target, drafter, prompt, block_size=args.block_size,
+                                     max_tokens=n, propose=ranged("draft", propose)))  # fmt: skip
 
     classic(16, False)  # warm-up: kernels, self-checks, traces
-    mtp(16, False)
+    mtp(16)
     mx.synchronize()
     acts = [tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA]
     with tp.profile(activities=acts) as prof:
         classic(args.tokens, True)
-        mtp(args.tokens, True)
+        mtp(args.tokens)
         mx.synchronize()
     path = args.out / "trace.json"
     prof.export_chrome_trace(str(path))
@@ -134,6 +175,10 @@ def main() -> None:
         events = json.loads(args.summary.read_text())["traceEvents"]
         res = {"trace": str(args.summary)}
     else:
+        from mtpcli import kernels
+
+        if kernels.backend() != "cuda":
+            sys.exit("probe_timeline: needs MLX's CUDA backend (CUPTI traces CUDA kernels)")
         args.out.mkdir(parents=True, exist_ok=True)
         load = os.getloadavg()
         events = run(args)

@@ -23,15 +23,21 @@ def test_busy_time_is_the_union_of_the_kernels_inside_the_window():
 
 
 def _trace() -> list[dict]:
-    """Three classic tokens 10 ms apart, each with two 2 ms kernels; rounds 20 ms apart."""
+    """Four classic tokens 10 ms apart, each with two 2 ms kernels. Four MTP rounds 20 ms apart,
+    each: a 1 ms draft with nothing running, a 6 ms verify build (its mark starts the round)
+    with a 15 ms kernel from its start, a 4 ms accept, a 0.5 ms rollback."""
     ev = []
     for i in range(4):
         ev.append({"cat": "user_annotation", "name": "token", "ts": i * 10_000, "dur": 1})
         ev += [{"cat": "kernel", "name": "k", "ts": i * 10_000 + 1000 + j * 3000, "dur": 2000}
                for j in range(2)]  # fmt: skip
     for i in range(4):
-        ev.append({"cat": "user_annotation", "name": "round", "ts": 50_000 + i * 20_000, "dur": 1})
-        ev.append({"cat": "kernel", "name": "k", "ts": 50_000 + i * 20_000, "dur": 15_000})
+        t = 50_000 + i * 20_000
+        marks = (("verify", 0, 6000), ("accept", 6000, 4000), ("rollback", 16_000, 500),
+                 ("draft", 18_000, 1000))  # fmt: skip
+        ev += [{"cat": "user_annotation", "name": name, "ts": t + at, "dur": dur}
+               for name, at, dur in marks]  # fmt: skip
+        ev.append({"cat": "kernel", "name": "k", "ts": t, "dur": 15_000})
     ev.append({"cat": "cpu_op", "name": "other", "ts": 0, "dur": 99_999})  # not a kernel
     return ev
 
@@ -46,9 +52,63 @@ def test_windows_span_mark_to_mark_and_leave_out_the_first():
     assert s["token"]["busy_share"]["median"] == 0.4 and s["round"]["n"] == 2
 
 
+def test_a_rounds_phases_split_its_host_time_and_the_gpus():
+    s = probe.summary(_trace())["round_phases"]
+    host = {p: s[p]["host_ms"]["median"] for p in probe.PHASES}
+    busy = {p: s[p]["busy_ms"]["median"] for p in probe.PHASES}
+    assert host == {"draft": 1.0, "verify": 6.0, "accept": 4.0, "rollback": 0.5}
+    assert busy == {"draft": 0.0, "verify": 6.0, "accept": 4.0, "rollback": 0.0}
+
+
 def test_a_saved_trace_is_summarised_without_a_gpu(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": _trace()}))
     out = subprocess.run([sys.executable, str(_PATH), "--summary", str(path)],
                          capture_output=True, text=True, check=True)  # fmt: skip
     assert json.loads(out.stdout)["round"]["busy_ms"]["median"] == 15.0
+
+
+def test_the_loops_are_marked_as_the_summary_reads_them(tmp_path, monkeypatch):
+    """``run`` on the CPU with a stand-in tracer (PyTorch is not installed here): every classic
+    token and every MTP phase is marked, and the marks make the windows and phases."""
+    import types
+    from argparse import Namespace
+    from contextlib import contextmanager
+
+    marks: list[str] = []
+
+    @contextmanager
+    def record_function(name):
+        marks.append(name)
+        yield
+
+    class Profile:
+        def __init__(self, activities):
+            marks.clear()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def export_chrome_trace(self, path):  # each mark 1 us long, 1 us apart
+            ev = [{"cat": "user_annotation", "name": m, "ts": 2 * i, "dur": 1}
+                  for i, m in enumerate(marks)]  # fmt: skip
+            Path(path).write_text(json.dumps({"traceEvents": ev}))
+
+    tp = types.SimpleNamespace(record_function=record_function, profile=Profile,
+                               ProfilerActivity=types.SimpleNamespace(CPU=0, CUDA=1))  # fmt: skip
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(profiler=tp))
+    monkeypatch.setitem(sys.modules, "torch.profiler", tp)
+    for ahead in ("0", "1"):
+        monkeypatch.setenv("MTP_DRAFT_AHEAD", ahead)
+        args = Namespace(shape="tiny", bits=4, tokens=12, block_size=3, simulate_acceptance=0.7,
+                         out=tmp_path)  # fmt: skip
+        s = probe.summary(probe.run(args))
+        rounds = marks.count("verify")
+        assert marks.count("token") == 13 and rounds == marks.count("accept") > 2  # and the end
+        assert marks.count("rollback") == rounds and s["round"]["n"] == rounds - 2
+        # a draft a round, and with drafts ahead one more a round, less those used
+        assert (marks.count("draft") == rounds) == (ahead == "0")
+        assert set(s["round_phases"]) == set(probe.PHASES)
