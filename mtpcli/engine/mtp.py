@@ -18,7 +18,16 @@ from ..drafters import Drafter
 from ..errors import UsageError
 from ..models.qwen3_5 import Qwen35Target, cache_arrays, rollback
 from . import GenerationStats, MTPStats, prompt_array
-from .sampling import SamplingParams, accept, accept_greedy, greedy, pick, positions, probs
+from .sampling import (
+    SamplingParams,
+    accept,
+    greedy,
+    greedy_verdict,
+    pick,
+    positions,
+    probs,
+    read_greedy_verdict,
+)
 
 
 def draft(
@@ -81,18 +90,16 @@ def accept_drafting_ahead(
     wait for them. Returns (accepted count, next token, the next round's drafts or None); the
     drafter's cache is left as ``draft`` expects it either way.
     """
-    targets = greedy(logits)  # [k+1]
-    both = mx.concatenate([targets, drafts.astype(targets.dtype)])
-    mx.async_eval(both)
+    verdict = greedy_verdict(logits, drafts)  # [2k+1]: the target's tokens, then the drafts
+    mx.async_eval(verdict)
     drafter.trim(cache, k - 1)  # the last round's chained drafts, as every round
-    guess = mx.concatenate([drafts.astype(targets.dtype), targets[-1:]])  # [k+1]
+    guess = mx.concatenate([verdict[k + 1 :], verdict[k : k + 1]])  # [k+1]: drafts, next token
     ahead, _ = propose(drafter, target, guess, hidden, cache, k, s)
-    values = both.tolist()
-    n = accept_greedy(values[k + 1 :], values[: k + 1])
+    n, nxt = read_greedy_verdict(verdict.tolist())
     if n < k:  # not the guessed count: undo its k+1 positions caught up and k-1 chained
         drafter.trim(cache, 2 * k)
         ahead = None
-    return n, values[n], ahead
+    return n, nxt, ahead
 
 
 def generate_mtp(
