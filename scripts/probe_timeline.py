@@ -14,16 +14,27 @@ its wall time was paced by the host (building graphs, encoding launches), not by
 Per round it also reports the host's time in each phase (drafting, building the verify,
 accept with its wait, the rollback) and the GPU's busy time during it. Settings such as
 ``MTP_DRAFT_AHEAD`` and ``MTP_SUBMIT_EVERY`` apply as in ``mtp``.
+
+    python scripts/probe_timeline.py --tokens 48 --reps 4 --out DIR \
+        --arm base --arm ahead:MTP_DRAFT_AHEAD=1 --arm first2:MTP_SUBMIT_FIRST=2
+
+runs an A/B in one process: each arm's settings are added to the environment for its MTP runs
+(arms alternating, the order reversed every other time), and ``arms`` in the summary gives each
+arm's rounds apart. Within one process the host's speed and the kernels' warmth are shared, which
+across processes on this machine spread MTP's tok/s by +-10%. ``--host-profile`` then runs the
+first arm again under cProfile (the host's time by function, in ``host_profile.txt``).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from unittest.mock import patch
 
@@ -77,32 +88,87 @@ def phases(events: list[dict], rounds: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
+def arm_ranges(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """Per arm, the host ranges its MTP runs took (marked ``arm NAME``)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("cat") == "user_annotation" and e.get("name", "").startswith("arm "):
+            out.setdefault(e["name"][4:], []).append((e["ts"], e["ts"] + e.get("dur", 0)))
+    return out
+
+
 def summary(events: list[dict]) -> dict:
-    """Medians (min-max) per mark of wall ms, busy ms, busy / wall and kernels."""
+    """Medians (min-max) per mark of wall ms, busy ms, busy / wall and kernels; with arms, the
+    rounds of each arm apart (a round that crosses from one arm's run to the next is left out)."""
 
     def spread(values: list[float]) -> dict:
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    def of(ws: list[dict]) -> dict:
+        return {"n": len(ws),
+                "wall_ms": spread([w["wall_us"] / 1e3 for w in ws]),
+                "busy_ms": spread([w["busy_us"] / 1e3 for w in ws]),
+                "busy_share": spread([w["busy_us"] / w["wall_us"] for w in ws]),
+                "kernels": spread([w["kernels"] for w in ws])}  # fmt: skip
+
+    def round_phases(rounds: list[dict]) -> dict:
+        return {
+            phase: {"host_ms": spread([p["host_us"] / 1e3 for p in per]),
+                    "busy_ms": spread([p["busy_us"] / 1e3 for p in per])}
+            for phase, per in phases(events, rounds).items()
+        }  # fmt: skip
 
     res = {}
     found = windows(events)
     for name, ws in found.items():
         if ws:
-            res[name] = {"n": len(ws),
-                         "wall_ms": spread([w["wall_us"] / 1e3 for w in ws]),
-                         "busy_ms": spread([w["busy_us"] / 1e3 for w in ws]),
-                         "busy_share": spread([w["busy_us"] / w["wall_us"] for w in ws]),
-                         "kernels": spread([w["kernels"] for w in ws])}  # fmt: skip
+            res[name] = of(ws)
     if found["round"]:
-        res["round_phases"] = {
-            phase: {"host_ms": spread([p["host_us"] / 1e3 for p in per]),
-                    "busy_ms": spread([p["busy_us"] / 1e3 for p in per])}
-            for phase, per in phases(events, found["round"]).items()
-        }  # fmt: skip
+        res["round_phases"] = round_phases(found["round"])
+    arms = arm_ranges(events)
+    if arms:
+        res["arms"] = {}
+        for arm, ranges in arms.items():
+            rounds = [w for w in found["round"]
+                      if any(a <= w["lo"] and w["hi"] <= b for a, b in ranges)]  # fmt: skip
+            if rounds:
+                res["arms"][arm] = {"runs": len(ranges), "round": of(rounds),
+                                    "round_phases": round_phases(rounds)}  # fmt: skip
     return res
 
 
+def parse_arm(text: str) -> tuple[str, dict[str, str]]:
+    """'name:VAR=value,VAR2=value' -> (name, {VAR: value, ...}); 'name' alone: as set."""
+    name, _, settings = text.partition(":")
+    items = [item.partition("=") for item in settings.split(",") if item]
+    if not name or " " in name or any(not k or not eq for k, eq, _ in items):
+        raise SystemExit(f"an arm is name:VAR=value[,VAR=value], got {text!r}")
+    return name, {k: v for k, _, v in items}
+
+
+@contextmanager
+def settings(env: dict[str, str], target):
+    """The environment with ``env`` added, read again by the target, for one run."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    target.read_submission()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        target.read_submission()
+
+
 def run(args) -> list[dict]:
-    """Our classic and MTP loops under the profiler; the trace's events."""
+    """Our classic and MTP loops under the profiler; the trace's events.
+
+    With arms (``args.arm``), the MTP loop runs ``args.reps`` times an arm, arms alternating
+    (the order reversed every other time), each run marked ``arm NAME``; every run's tokens
+    must equal classic's."""
     try:
         import torch.profiler as tp
     except ImportError:
@@ -117,6 +183,7 @@ def run(args) -> list[dict]:
     target, drafter = synthetic.build(args.shape, bits=args.bits)
     prompt = [(7 * i + 3) % 1000 for i in range(64)]
     reference = list(generate_classic(target, prompt, max_tokens=args.tokens + 8))
+    arms = [parse_arm(a) for a in args.arm or ["as_set"]]
 
     def classic(n: int, mark: bool) -> None:
         gen = generate_classic(target, prompt, max_tokens=n)
@@ -138,24 +205,40 @@ def run(args) -> list[dict]:
         with tp.record_function("verify") if verify else nullcontext():
             return forward(tokens, cache, verify=verify)
 
-    def mtp(n: int) -> None:
+    def mtp(n: int, env: dict[str, str]) -> None:
         propose = simulated_drafts(reference, len(prompt), args.simulate_acceptance, seed=1)
-        with (patch.object(target, "forward", verify_marked),
+        with (settings(env, target),
+              patch.object(target, "forward", verify_marked),
               patch.object(engine, "accept", ranged("accept", engine.accept)),
               patch.object(engine, "accept_drafting_ahead",
                            ranged("accept", engine.accept_drafting_ahead)),
               patch.object(engine, "rollback", ranged("rollback", engine.rollback))):  # fmt: skip
-            list(engine.generate_mtp(target, drafter, prompt, block_size=args.block_size,
-                                     max_tokens=n, propose=ranged("draft", propose)))  # fmt: skip
+            gen = engine.generate_mtp(target, drafter, prompt, block_size=args.block_size,
+                                      max_tokens=n, propose=ranged("draft", propose))  # fmt: skip
+            out = list(gen)
+        if out != reference[:n]:
+            sys.exit(f"probe_timeline: MTP's tokens differ from classic's with {env}")
 
     classic(16, False)  # warm-up: kernels, self-checks, traces
-    mtp(16)
+    for _, env in arms:
+        mtp(16, env)
     mx.synchronize()
     acts = [tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA]
     with tp.profile(activities=acts) as prof:
         classic(args.tokens, True)
-        mtp(args.tokens)
+        for r in range(args.reps):
+            for name, env in arms if r % 2 == 0 else arms[::-1]:
+                with tp.record_function(f"arm {name}"):
+                    mtp(args.tokens, env)
         mx.synchronize()
+    if args.host_profile:  # the host's side by function: cProfile over the first arm's runs
+        host = cProfile.Profile()
+        with host:
+            for _ in range(args.reps):
+                mtp(args.tokens, arms[0][1])
+            mx.synchronize()
+        with open(args.out / "host_profile.txt", "w") as f:
+            pstats.Stats(host, stream=f).sort_stats("tottime").print_stats(60)
     path = args.out / "trace.json"
     prof.export_chrome_trace(str(path))
     return json.loads(path.read_text())["traceEvents"]
@@ -169,6 +252,15 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=3)
     ap.add_argument("--simulate-acceptance", type=float, default=0.7)
     ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--arm", action="append", metavar="NAME:VAR=value,...",
+                    help="an MTP arm: these settings added to the environment for its runs "
+                         "(repeat for an in-process A/B)")  # fmt: skip
+    ap.add_argument("--reps", type=int, default=1, help="MTP runs an arm, arms alternating")
+    ap.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="then the first arm's runs under cProfile (OUT/host_profile.txt)",
+    )
     ap.add_argument("--summary", type=Path, help="summarise a saved trace, run nothing")
     args = ap.parse_args()
     if args.summary:

@@ -347,6 +347,46 @@ def test_a_verify_submitted_in_parts_still_equals_classic(load, monkeypatch):
             target_mod.submit_every()
 
 
+def test_submission_settings_move_submissions_not_tokens(load, monkeypatch):
+    """``MTP_SUBMIT_FIRST``, ``MTP_SUBMIT_DRAFTS`` and ``MTP_SUBMIT_ROLLBACK`` change when built
+    work is handed to the device (``mx.async_eval``), each by its count a round, and MTP still
+    equals classic. A random drafter: nearly every round rolls back."""
+    from mtpcli.engine import GenerationStats
+    from mtpcli.errors import UsageError
+
+    loaded = load(bits=4, drafter="random")
+    target, prompt = loaded.target, PROMPTS[2]
+    want = _classic(loaded, prompt, 24)
+    calls, real = [], mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("MTP_SUBMIT_EVERY", "0")
+
+    def submissions(**env: str) -> tuple[int, int, int]:
+        for name in ("FIRST", "DRAFTS", "ROLLBACK"):
+            monkeypatch.delenv(f"MTP_SUBMIT_{name}", raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(f"MTP_SUBMIT_{name.upper()}", value)
+        target.read_submission()
+        calls.clear()
+        stats = GenerationStats()
+        assert _mtp(loaded, prompt, 24, 3, stats) == want, env
+        hist = stats.mtp.accept_histogram
+        return len(calls), stats.mtp.rounds, stats.mtp.rounds - hist[-1]
+
+    base, rounds, rolled_back = submissions()
+    assert rolled_back > 0.8 * rounds
+    assert submissions(first="2") == (base + rounds, rounds, rolled_back)  # one a verify
+    assert submissions(drafts="1") == (base + rounds, rounds, rolled_back)  # k - 1 = 1 a round
+    assert submissions(rollback="0") == (base - rolled_back, rounds, rolled_back)
+    assert target.submit_rollback is False
+    for name, bad in (("FIRST", "-2"), ("DRAFTS", "yes"), ("ROLLBACK", "2")):
+        monkeypatch.setenv(f"MTP_SUBMIT_{name}", bad)
+        with pytest.raises(UsageError, match=f"MTP_SUBMIT_{name} must be"):
+            target.read_submission()
+        monkeypatch.delenv(f"MTP_SUBMIT_{name}")
+    target.read_submission()
+
+
 def test_eos_and_max_tokens_stop_both_engines(load):
     loaded = load()
     prompt = PROMPTS[1]

@@ -76,11 +76,70 @@ def test_the_loops_are_marked_as_the_summary_reads_them(tmp_path, monkeypatch):
     from contextlib import contextmanager
 
     marks: list[str] = []
+    spans: list[list[int]] = []  # per mark: its start and end, in ticks of the host's order
+    tick = iter(range(10**9))
 
     @contextmanager
     def record_function(name):
         marks.append(name)
+        spans.append([next(tick), 0])
+        span = spans[-1]
         yield
+        span[1] = next(tick)
+
+    class Profile:
+        def __init__(self, activities):
+            marks.clear()
+            spans.clear()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def export_chrome_trace(self, path):  # a tick is 1 us
+            ev = [{"cat": "user_annotation", "name": m, "ts": a, "dur": b - a}
+                  for m, (a, b) in zip(marks, spans, strict=True)]  # fmt: skip
+            Path(path).write_text(json.dumps({"traceEvents": ev}))
+
+    tp = types.SimpleNamespace(record_function=record_function, profile=Profile,
+                               ProfilerActivity=types.SimpleNamespace(CPU=0, CUDA=1))  # fmt: skip
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(profiler=tp))
+    monkeypatch.setitem(sys.modules, "torch.profiler", tp)
+    for ahead in ("0", "1"):
+        monkeypatch.setenv("MTP_DRAFT_AHEAD", ahead)
+        args = Namespace(shape="tiny", bits=4, tokens=12, block_size=3, simulate_acceptance=0.7,
+                         out=tmp_path, arm=None, reps=1, host_profile=ahead == "1")  # fmt: skip
+        s = probe.summary(probe.run(args))
+        rounds = marks.count("verify")
+        assert marks.count("token") == 13 and rounds == marks.count("accept") > 2  # and the end
+        assert marks.count("rollback") == rounds and s["round"]["n"] == rounds - 2
+        # a draft a round, and with drafts ahead one more a round, less those used
+        assert (marks.count("draft") == rounds) == (ahead == "0")
+        assert set(s["round_phases"]) == set(probe.PHASES)
+    assert "generate_mtp" in (tmp_path / "host_profile.txt").read_text()
+
+
+def test_arms_run_alternating_in_one_process_and_are_summarised_apart(tmp_path, monkeypatch):
+    """``--arm``: each arm's settings hold for its own runs only (the target reads them again),
+    runs alternate with the order reversed every other time, and each arm's rounds are
+    summarised apart, none that crosses from one run to the next."""
+    import types
+    from argparse import Namespace
+    from contextlib import contextmanager
+
+    from mtpcli.engine import mtp as engine
+
+    marks: list[tuple[str, int, int]] = []
+    tick = iter(range(10**9))
+    seen = []  # per arm run: the drafts-ahead and drafts-submission settings it ran with
+
+    @contextmanager
+    def record_function(name):
+        start = next(tick)
+        yield
+        marks.append((name, start, next(tick)))
 
     class Profile:
         def __init__(self, activities):
@@ -92,23 +151,47 @@ def test_the_loops_are_marked_as_the_summary_reads_them(tmp_path, monkeypatch):
         def __exit__(self, *exc):
             return False
 
-        def export_chrome_trace(self, path):  # each mark 1 us long, 1 us apart
-            ev = [{"cat": "user_annotation", "name": m, "ts": 2 * i, "dur": 1}
-                  for i, m in enumerate(marks)]  # fmt: skip
+        def export_chrome_trace(self, path):
+            ev = [{"cat": "user_annotation", "name": m, "ts": a, "dur": b - a}
+                  for m, a, b in marks]  # fmt: skip
             Path(path).write_text(json.dumps({"traceEvents": ev}))
 
     tp = types.SimpleNamespace(record_function=record_function, profile=Profile,
                                ProfilerActivity=types.SimpleNamespace(CPU=0, CUDA=1))  # fmt: skip
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(profiler=tp))
     monkeypatch.setitem(sys.modules, "torch.profiler", tp)
-    for ahead in ("0", "1"):
-        monkeypatch.setenv("MTP_DRAFT_AHEAD", ahead)
-        args = Namespace(shape="tiny", bits=4, tokens=12, block_size=3, simulate_acceptance=0.7,
-                         out=tmp_path)  # fmt: skip
-        s = probe.summary(probe.run(args))
-        rounds = marks.count("verify")
-        assert marks.count("token") == 13 and rounds == marks.count("accept") > 2  # and the end
-        assert marks.count("rollback") == rounds and s["round"]["n"] == rounds - 2
-        # a draft a round, and with drafts ahead one more a round, less those used
-        assert (marks.count("draft") == rounds) == (ahead == "0")
-        assert set(s["round_phases"]) == set(probe.PHASES)
+    real = engine.generate_mtp
+
+    def generate_mtp(target, *a, **kw):
+        seen.append((engine.drafts_ahead(), target.submit_drafts))
+        return real(target, *a, **kw)
+
+    monkeypatch.setattr(engine, "generate_mtp", generate_mtp)
+    monkeypatch.delenv("MTP_DRAFT_AHEAD", raising=False)
+    args = Namespace(shape="tiny", bits=4, tokens=12, block_size=3, simulate_acceptance=0.7,
+                     out=tmp_path, arm=["base", "both:MTP_DRAFT_AHEAD=1,MTP_SUBMIT_DRAFTS=1"],
+                     reps=3, host_profile=False)  # fmt: skip
+    s = probe.summary(probe.run(args))
+    # warm-up (base, both), then base both, both base, base both
+    on, off = (True, True), (False, False)
+    assert seen == [off, on, off, on, on, off, off, on]
+    runs = ["base", "both", "both", "base", "base", "both"]
+    assert [m for m, _, _ in marks if m.startswith("arm ")] == [f"arm {r}" for r in runs]
+    arms = s["arms"]
+    assert set(arms) == {"base", "both"} and all(a["runs"] == 3 for a in arms.values())
+    verifies = sum(m == "verify" for m, _, _ in marks)
+    # rounds run verify to verify: of those, the first is left out (as in a plain run) and the
+    # five that cross from one run into the next; every other counts once, for its own arm
+    assert sum(a["round"]["n"] for a in arms.values()) == verifies - 1 - 1 - 5
+    assert "MTP_DRAFT_AHEAD" not in __import__("os").environ
+
+
+def test_a_round_that_crosses_arms_is_left_out():
+    ev = _trace()  # rounds (verify marks) at 50, 70, 90 and 110 ms
+    ev += [{"cat": "user_annotation", "name": "arm a", "ts": 50_000, "dur": 40_001},
+           {"cat": "user_annotation", "name": "arm b", "ts": 90_000, "dur": 40_000}]  # fmt: skip
+    arms = probe.summary(ev)["arms"]
+    assert arms["a"]["round"]["n"] == 1 and arms["b"]["round"]["n"] == 1
+    assert arms["a"]["round_phases"]["verify"]["host_ms"]["median"] == 6.0
+    ev[-2]["dur"] = 35_000  # a's range now ends inside its round from 70 to 90 ms
+    assert "a" not in probe.summary(ev)["arms"]

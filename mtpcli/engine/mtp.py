@@ -8,12 +8,12 @@ is identical to classic decoding.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable, Iterator
 
 import mlx.core as mx
 
+from ..config import env_flag
 from ..drafters import Drafter
 from ..errors import UsageError
 from ..models.qwen3_5 import Qwen35Target, cache_arrays, rollback
@@ -57,6 +57,8 @@ def draft(
             d = mx.random.categorical(mx.log(qs[-1]))
         drafts.append(d)
         if i < k - 1:
+            if target.submit_drafts:  # the device starts on it while the next is built
+                mx.async_eval(d)
             h = drafter.forward(d.reshape(1, 1), h, cache)
     out = mx.stack(drafts).reshape(k)  # [k]
     mx.async_eval(out)
@@ -65,10 +67,7 @@ def draft(
 
 def drafts_ahead() -> bool:
     """``MTP_DRAFT_AHEAD``: build the next round's drafts while accept waits (1) or not (0)."""
-    raw = os.environ.get("MTP_DRAFT_AHEAD", "0")
-    if raw not in ("0", "1"):
-        raise UsageError(f"MTP_DRAFT_AHEAD must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return env_flag("MTP_DRAFT_AHEAD", False)
 
 
 def accept_drafting_ahead(
@@ -168,7 +167,8 @@ def generate_mtp(
             draft_ids = drafts.tolist()  # computed by now: accept read the verify
             t2 = time.perf_counter()
             rollback(tcache, out.traces, n_acc + 1, k + 1)
-            mx.async_eval(cache_arrays(tcache))  # the next round's draft is built meanwhile
+            if target.submit_rollback:  # the next round's draft is built meanwhile
+                mx.async_eval(cache_arrays(tcache))
             rs.record(k, n_acc)
             rs.draft_s += t1 - t0
             rs.verify_s += t2 - t1

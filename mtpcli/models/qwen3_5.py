@@ -9,7 +9,6 @@ each row bitwise the single-position result; ``RowPolicy`` finds that out per op
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +21,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .. import kernels
-from ..config import ModelConfig
-from ..errors import UsageError
+from ..config import ModelConfig, env_count, env_flag
 from ..kernels import quantized_matmul
 from ..kernels.decode_attention import MAX_T, Rope, decode_attention
 from ..kernels.gated_delta import gated_delta_conv
@@ -290,13 +288,8 @@ def submit_every() -> int:
     """``MTP_SUBMIT_EVERY``: submit a verify block every this many layers (0: at its wait).
 
     Unset, it is ``SUBMIT_EVERY_GPU`` on a GPU backend and 0 on the CPU."""
-    raw = os.environ.get("MTP_SUBMIT_EVERY")
-    if raw is None:
-        return 0 if kernels.backend() == "cpu" else SUBMIT_EVERY_GPU
-    n = int(raw) if raw.strip().isdigit() else -1
-    if n < 0:
-        raise UsageError(f"MTP_SUBMIT_EVERY must be a number of layers (0: off), got {raw!r}")
-    return n
+    default = 0 if kernels.backend() == "cpu" else SUBMIT_EVERY_GPU
+    return env_count("MTP_SUBMIT_EVERY", default, "layers (0: off)")
 
 
 class Qwen35Target:
@@ -310,7 +303,7 @@ class Qwen35Target:
         # the stream so far is submitted (mx.async_eval), the device running the first
         # layers while the rest are built; 0 submits once, at the wait. Decode steps are not
         # submitted in parts: on the H200 that measured no faster (session 18).
-        self.submit_every = submit_every()
+        self.read_submission()
         ours = kernels.qmm() == "ours"
         if ours:  # decode and verify rows then share one product kernel
             quantized_matmul.install(model)
@@ -337,6 +330,17 @@ class Qwen35Target:
             r or (gpu and _dense(ly)) for r, ly in zip(self.routed_on_gpu, self.layers, strict=True)
         ]
         self.head_unprobed = gpu and _dense(self._head()[0])
+
+    def read_submission(self) -> None:
+        """When built work is handed to the device in an MTP round, from the environment:
+        ``MTP_SUBMIT_EVERY`` (above), ``MTP_SUBMIT_FIRST`` (a verify's first submission after
+        this many layers; 0: at ``submit_every``), ``MTP_SUBMIT_DRAFTS`` (1: each chained
+        draft as soon as it is built; 0: the drafts together) and ``MTP_SUBMIT_ROLLBACK`` (1:
+        the rolled-back cache arrays at once; 0: with the next verify)."""
+        self.submit_every = submit_every()
+        self.submit_first = env_count("MTP_SUBMIT_FIRST", 0, "layers (0: as MTP_SUBMIT_EVERY)")
+        self.submit_drafts = env_flag("MTP_SUBMIT_DRAFTS", False)
+        self.submit_rollback = env_flag("MTP_SUBMIT_ROLLBACK", True)
 
     def _fuse(self) -> tuple[dict, dict]:
         """Per layer: the input projections (gated-delta: qkv, z, b, a; attention: q, k, v),
@@ -483,14 +487,14 @@ class Qwen35Target:
         mask = create_attention_mask(h, kv)  # unused where attention goes position by position
         traces: list[GatedDeltaTrace | None] = []
         hs = (h,)  # the residual stream (see ``stream``)
-        every = self.submit_every if verify else 0
+        every, first = (self.submit_every, self.submit_first) if verify else (0, 0)
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             if layer.is_linear:
                 hs, trace = self._linear_layer(i, hs, c, verify, compiled)
             else:
                 hs, trace = self._attention_layer(i, hs, mask, c, verify, compiled), None
             traces.append(trace)
-            if every and (i + 1) % every == 0:
+            if (every and (i + 1) % every == 0) or i + 1 == first:
                 mx.async_eval(hs)
         self.functions.end(T)
         return ForwardOut(self.text.model.norm(hs[0]), traces if verify else None)
