@@ -163,20 +163,35 @@ def settings(env: dict[str, str], target):
         target.read_submission()
 
 
-def run(args) -> list[dict]:
-    """Our classic and MTP loops under the profiler; the trace's events.
+class _NoTracer:
+    """``torch.profiler``'s surface, doing nothing (``--wall-only``)."""
+
+    record_function = staticmethod(lambda name: nullcontext())
+    profile = staticmethod(lambda activities: nullcontext())
+    ProfilerActivity = argparse.Namespace(CPU=None, CUDA=None)
+
+
+def run(args) -> tuple[list[dict], list[dict]]:
+    """Our classic and MTP loops under the profiler: the trace's events, and each measured
+    MTP run's arm, repetition, ms a round and tok/s.
 
     With arms (``args.arm``), the MTP loop runs ``args.reps`` times an arm, arms alternating
     (the order reversed every other time), each run marked ``arm NAME``; every run's tokens
-    must equal classic's."""
-    try:
-        import torch.profiler as tp
-    except ImportError:
-        sys.exit("probe_timeline: needs PyTorch (its profiler reads CUPTI's kernel trace)")
+    must equal classic's. With ``args.wall_only`` nothing is traced (no PyTorch needed) and a
+    classic run of as many tokens is timed before each repetition's MTP runs (arm
+    ``classic``)."""
+    if args.wall_only:
+        tp = _NoTracer
+    else:
+        try:
+            import torch.profiler as tp
+        except ImportError:
+            sys.exit("probe_timeline: needs PyTorch (its profiler reads CUPTI's kernel trace)")
     import mlx.core as mx
 
     from mtpcli import synthetic
     from mtpcli.bench import simulated_drafts
+    from mtpcli.engine import GenerationStats
     from mtpcli.engine import mtp as engine
     from mtpcli.engine.classic import generate_classic
 
@@ -185,12 +200,13 @@ def run(args) -> list[dict]:
     reference = list(generate_classic(target, prompt, max_tokens=args.tokens + 8))
     arms = [parse_arm(a) for a in args.arm or ["as_set"]]
 
-    def classic(n: int, mark: bool) -> None:
-        gen = generate_classic(target, prompt, max_tokens=n)
+    def classic(n: int, mark: bool) -> GenerationStats:
+        stats = GenerationStats()
+        gen = generate_classic(target, prompt, max_tokens=n, stats=stats)
         while True:
             with tp.record_function("token") if mark else nullcontext():
                 if next(gen, None) is None:
-                    return
+                    return stats
 
     def ranged(name: str, fn):
         def marked(*a, **kw):
@@ -205,8 +221,9 @@ def run(args) -> list[dict]:
         with tp.record_function("verify") if verify else nullcontext():
             return forward(tokens, cache, verify=verify)
 
-    def mtp(n: int, env: dict[str, str]) -> None:
+    def mtp(n: int, env: dict[str, str]) -> GenerationStats:
         propose = simulated_drafts(reference, len(prompt), args.simulate_acceptance, seed=1)
+        stats = GenerationStats()
         with (settings(env, target),
               patch.object(target, "forward", verify_marked),
               patch.object(engine, "accept", ranged("accept", engine.accept)),
@@ -214,10 +231,19 @@ def run(args) -> list[dict]:
                            ranged("accept", engine.accept_drafting_ahead)),
               patch.object(engine, "rollback", ranged("rollback", engine.rollback))):  # fmt: skip
             gen = engine.generate_mtp(target, drafter, prompt, block_size=args.block_size,
-                                      max_tokens=n, propose=ranged("draft", propose))  # fmt: skip
+                                      max_tokens=n, propose=ranged("draft", propose),
+                                      stats=stats)  # fmt: skip
             out = list(gen)
         if out != reference[:n]:
             sys.exit(f"probe_timeline: MTP's tokens differ from classic's with {env}")
+        return stats
+
+    runs: list[dict] = []
+
+    def timed(name: str, r: int, stats: GenerationStats) -> None:
+        rounds = stats.mtp.rounds if stats.mtp else stats.generation_tokens
+        runs.append({"arm": name, "rep": r, "tps": stats.generation_tps,
+                     "round_ms": 1e3 * stats.generation_s / max(rounds, 1)})  # fmt: skip
 
     classic(16, False)  # warm-up: kernels, self-checks, traces
     for _, env in arms:
@@ -227,9 +253,11 @@ def run(args) -> list[dict]:
     with tp.profile(activities=acts) as prof:
         classic(args.tokens, True)
         for r in range(args.reps):
+            if args.wall_only:
+                timed("classic", r, classic(args.tokens, False))
             for name, env in arms if r % 2 == 0 else arms[::-1]:
                 with tp.record_function(f"arm {name}"):
-                    mtp(args.tokens, env)
+                    timed(name, r, mtp(args.tokens, env))
         mx.synchronize()
     if args.host_profile:  # the host's side by function: cProfile over the first arm's runs
         host = cProfile.Profile()
@@ -239,9 +267,33 @@ def run(args) -> list[dict]:
             mx.synchronize()
         with open(args.out / "host_profile.txt", "w") as f:
             pstats.Stats(host, stream=f).sort_stats("tottime").print_stats(60)
+    if args.wall_only:
+        return [], runs
     path = args.out / "trace.json"
     prof.export_chrome_trace(str(path))
-    return json.loads(path.read_text())["traceEvents"]
+    return json.loads(path.read_text())["traceEvents"], runs
+
+
+def wall_summary(runs: list[dict]) -> dict:
+    """Per arm: medians (min-max) of ms a round (a token, for classic) and of tok/s, and of
+    its tok/s over the first MTP arm's in the same repetition."""
+
+    def spread(values: list[float]) -> dict:
+        return {"median": statistics.median(values), "min": min(values), "max": max(values),
+                "n": len(values)}  # fmt: skip
+
+    names = list(dict.fromkeys(r["arm"] for r in runs))
+    first = next((n for n in names if n != "classic"), None)
+    tps = {(r["arm"], r["rep"]): r["tps"] for r in runs}
+    out = {}
+    for name in names:
+        mine = [r for r in runs if r["arm"] == name]
+        out[name] = {"round_ms": spread([r["round_ms"] for r in mine]),
+                     "tps": spread([r["tps"] for r in mine])}  # fmt: skip
+        paired = [r["tps"] / tps[(first, r["rep"])] for r in mine if (first, r["rep"]) in tps]
+        if name != first and paired:
+            out[name][f"tps_over_{first}"] = spread(paired)
+    return out
 
 
 def main() -> None:
@@ -261,6 +313,11 @@ def main() -> None:
         action="store_true",
         help="then the first arm's runs under cProfile (OUT/host_profile.txt)",
     )
+    ap.add_argument(
+        "--wall-only",
+        action="store_true",
+        help="no tracer: each run's wall time only, a classic run each repetition",
+    )
     ap.add_argument("--summary", type=Path, help="summarise a saved trace, run nothing")
     args = ap.parse_args()
     if args.summary:
@@ -269,15 +326,19 @@ def main() -> None:
     else:
         from mtpcli import kernels
 
-        if kernels.backend() != "cuda":
+        if kernels.backend() != "cuda" and not args.wall_only:
             sys.exit("probe_timeline: needs MLX's CUDA backend (CUPTI traces CUDA kernels)")
         args.out.mkdir(parents=True, exist_ok=True)
         load = os.getloadavg()
-        events = run(args)
+        events, runs = run(args)
         res = {"settings": vars(args) | {"out": str(args.out)}, "load_before": load,
-               "load_after": os.getloadavg()}  # fmt: skip
+               "load_after": os.getloadavg(), "runs": runs}  # fmt: skip
+        if runs:
+            res["wall"] = wall_summary(runs)
+            print(json.dumps(res["wall"], indent=1))
     res["windows"] = summary(events)
-    print(json.dumps(res["windows"], indent=1))
+    if events:
+        print(json.dumps(res["windows"], indent=1))
     if not args.summary:
         (args.out / "timeline.json").write_text(json.dumps(res, indent=1))
 

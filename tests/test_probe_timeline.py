@@ -110,8 +110,9 @@ def test_the_loops_are_marked_as_the_summary_reads_them(tmp_path, monkeypatch):
     for ahead in ("0", "1"):
         monkeypatch.setenv("MTP_DRAFT_AHEAD", ahead)
         args = Namespace(shape="tiny", bits=4, tokens=12, block_size=3, simulate_acceptance=0.7,
-                         out=tmp_path, arm=None, reps=1, host_profile=ahead == "1")  # fmt: skip
-        s = probe.summary(probe.run(args))
+                         out=tmp_path, arm=None, reps=1, host_profile=ahead == "1",
+                         wall_only=False)  # fmt: skip
+        s = probe.summary(probe.run(args)[0])
         rounds = marks.count("verify")
         assert marks.count("token") == 13 and rounds == marks.count("accept") > 2  # and the end
         assert marks.count("rollback") == rounds and s["round"]["n"] == rounds - 2
@@ -170,8 +171,8 @@ def test_arms_run_alternating_in_one_process_and_are_summarised_apart(tmp_path, 
     monkeypatch.delenv("MTP_DRAFT_AHEAD", raising=False)
     args = Namespace(shape="tiny", bits=4, tokens=12, block_size=3, simulate_acceptance=0.7,
                      out=tmp_path, arm=["base", "both:MTP_DRAFT_AHEAD=1,MTP_SUBMIT_DRAFTS=1"],
-                     reps=3, host_profile=False)  # fmt: skip
-    s = probe.summary(probe.run(args))
+                     reps=3, host_profile=False, wall_only=False)  # fmt: skip
+    s = probe.summary(probe.run(args)[0])
     # warm-up (base, both), then base both, both base, base both
     on, off = (True, True), (False, False)
     assert seen == [off, on, off, on, on, off, off, on]
@@ -195,3 +196,37 @@ def test_a_round_that_crosses_arms_is_left_out():
     assert arms["a"]["round_phases"]["verify"]["host_ms"]["median"] == 6.0
     ev[-2]["dur"] = 35_000  # a's range now ends inside its round from 70 to 90 ms
     assert "a" not in probe.summary(ev)["arms"]
+
+
+def test_wall_summary_pairs_each_arm_with_the_first_in_its_repetition():
+    runs = [{"arm": "classic", "rep": r, "tps": 100.0, "round_ms": 10.0} for r in range(3)]
+    runs += [
+        {"arm": "a", "rep": r, "tps": t, "round_ms": 1e3 / t} for r, t in enumerate((100, 200, 50))
+    ]
+    runs += [
+        {"arm": "b", "rep": r, "tps": t, "round_ms": 1e3 / t} for r, t in enumerate((110, 180, 60))
+    ]
+    w = probe.wall_summary(runs)
+    assert w["a"]["tps"]["median"] == 100 and w["b"]["tps"]["median"] == 110
+    # paired by repetition: 1.1, 0.9, 1.2 -> median 1.1 (unpaired medians would say 1.1 too,
+    # so also the spread, which only pairing gives)
+    ratio = w["b"]["tps_over_a"]
+    assert (ratio["median"], ratio["min"], ratio["max"]) == (1.1, 0.9, 1.2)
+    assert "tps_over_a" not in w["a"] and w["classic"]["tps_over_a"]["median"] == 1.0
+
+
+def test_wall_only_runs_without_a_tracer(tmp_path, monkeypatch):
+    """``--wall-only`` needs no PyTorch: a classic run then every arm's, each repetition."""
+    from argparse import Namespace
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # importing it would fail
+    args = Namespace(shape="tiny", bits=4, tokens=10, block_size=3, simulate_acceptance=0.7,
+                     out=tmp_path, arm=["x", "y:MTP_SUBMIT_DRAFTS=1"], reps=2,
+                     host_profile=False, wall_only=True)  # fmt: skip
+    events, runs = probe.run(args)
+    assert events == []
+    assert [(r["arm"], r["rep"]) for r in runs] == [
+        ("classic", 0), ("x", 0), ("y", 0), ("classic", 1), ("y", 1), ("x", 1)]  # fmt: skip
+    assert all(r["tps"] > 0 and r["round_ms"] > 0 for r in runs)
+    w = probe.wall_summary(runs)
+    assert set(w) == {"classic", "x", "y"} and w["y"]["tps_over_x"]["n"] == 2
