@@ -3,6 +3,7 @@
     python scripts/probe_host_bound.py --runs 6 --out DIR              # the decode loop
     MLX_USE_CUDA_GRAPHS=0 python scripts/probe_host_bound.py --runs 6  # a setting: own process
     python scripts/probe_host_bound.py --op-costs --out DIR            # host cost a call
+    python scripts/probe_host_bound.py --build --out DIR               # build time, by function
     python scripts/probe_host_bound.py --runs 8 --begin-norms-every-other  # the two-launch norm
 
 The decode part runs our classic loop on a random-weight model of ``--shape`` (a fresh cache
@@ -128,6 +129,69 @@ def custom_kernel_costs() -> dict:
     return res
 
 
+def build_costs(target, drafter, prompt: list[int], n: int = 30) -> dict:
+    """The host's pure build time (no evaluation inside: verify blocks unsubmitted) of a decode
+    step, a 3-token verify block (with its exact head and the rollback of two of its positions) and
+    two chained drafts, ms, median of ``n`` after warm-up; and a cProfile of the verify builds
+    (the top functions by own time, in ms a block)."""
+    from mtpcli.engine.mtp import draft
+    from mtpcli.models.qwen3_5 import cache_arrays, rollback
+
+    target.submit_every = 0
+    greedy = SamplingParams()
+    cache, dcache = target.make_cache(), drafter.make_cache()
+    hidden = target.prefill(prompt_array(prompt), cache)
+    tokens = mx.array(prompt[1:] + [5], mx.uint32)
+    draft(drafter, target, tokens, hidden, dcache, 2, greedy)
+    one, block = mx.array([[5]]), mx.array([[5, 6, 7]])
+
+    def decode():
+        return pick(target.lm_head(target.forward(one, cache).hidden)[0, -1], greedy)
+
+    def verify():
+        out = target.forward(block, cache, verify=True)
+        logits = target.lm_head(out.hidden, exact=True)
+        rollback(cache, out.traces, 1, 3)  # as a round that accepts no draft: one kept
+        return [logits, *cache_arrays(cache)]
+
+    def drafts():
+        d, _ = draft(drafter, target, mx.array([5, 6, 7], mx.uint32), hidden[:, -3:], dcache,
+                     2, greedy)  # fmt: skip
+        drafter.trim(dcache, 4)  # back to where it was
+        return d
+
+    def timed(fn, profiler=None) -> float:
+        times = []
+        for i in range(n + 4):
+            if profiler:
+                profiler.enable()
+            t0 = time.perf_counter()
+            out = fn()
+            t1 = time.perf_counter()
+            if profiler:
+                profiler.disable()
+            mx.eval(out)
+            if i >= 4:  # warm-up: the first block of each length runs op by op
+                times.append((t1 - t0) * 1e3)
+        return round(statistics.median(times), 3)
+
+    res = {"build_ms": {"decode_step": timed(decode), "verify_block_3": timed(verify),
+                        "drafts_2": timed(drafts)}}  # fmt: skip
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    timed(verify, prof)
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:25]
+    res["verify_profile_ms_a_block"] = [
+        {"function": f"{Path(f).name}:{line}({name})", "calls": nc / (n + 4),
+         "own": 1e3 * tt / (n + 4), "cumulative": 1e3 * ct / (n + 4)}
+        for (f, line, name), (_, nc, tt, ct, _) in rows
+    ]  # fmt: skip
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3.8-27b", choices=sorted(synthetic.SHAPES))
@@ -142,6 +206,11 @@ def main() -> None:
         help="odd runs with quantized_matmul.BEGIN_NORMS on (the two-launch norm)",
     )
     ap.add_argument("--op-costs", action="store_true", help="only the host cost a call")
+    ap.add_argument(
+        "--build",
+        action="store_true",
+        help="only the host's build time of a decode step, a verify, the drafts",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     res: dict = {"device": str(mx.device_info().get("device_name", mx.default_device())),
@@ -150,6 +219,14 @@ def main() -> None:
     if args.op_costs:
         res["us_a_call"] = op_costs()
         print(json.dumps(res["us_a_call"], indent=1), flush=True)
+    elif args.build:
+        target, drafter = synthetic.build(args.shape, bits=args.bits)
+        res |= build_costs(target, drafter, mx.random.randint(0, 1000, (64,)).tolist())
+        print(json.dumps(res["build_ms"]), flush=True)
+        for row in res["verify_profile_ms_a_block"]:
+            print(
+                f"{row['own']:8.3f} {row['cumulative']:8.3f} {row['calls']:6.1f} {row['function']}"
+            )
     else:
         target, _ = synthetic.build(args.shape, bits=args.bits)
         prompt = mx.random.randint(0, 1000, (64,)).tolist()
@@ -170,7 +247,7 @@ def main() -> None:
     res["load_after"] = os.getloadavg()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = "op_costs" if args.op_costs else "decode_parts"
+        name = "op_costs" if args.op_costs else "build" if args.build else "decode_parts"
         (args.out / f"host_bound_{name}.json").write_text(json.dumps(res, indent=1))
 
 
