@@ -136,8 +136,8 @@ def simulated_drafts(reference: list[int], prompt_len: int, p: float, seed: int)
 
     ``reference`` is the classic greedy continuation, which at temperature 0 is exactly what
     the target would say next. The drafter still runs and the target still verifies. Whether
-    the draft for output position j is swapped depends on (seed, j) alone, so drafts made
-    ahead and then discarded (``accept_drafting_ahead``) change nothing after them.
+    the draft for output position j is swapped depends on (seed, j) alone, so the same
+    positions get the same swaps whatever the rounds before them did.
     """
 
     def propose(drafter, target, tokens, hidden, cache, k, s):

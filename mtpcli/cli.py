@@ -150,7 +150,7 @@ def generate(
     from . import gate
     from .engine import GenerationStats
     from .engine.classic import generate_classic
-    from .engine.mtp import drafts_ahead, generate_mtp
+    from .engine.mtp import generate_mtp
     from .engine.sampling import SamplingParams
     from .example import NOTE, ensure_example
     from .kernels import set_mode, set_qmm
@@ -158,7 +158,6 @@ def generate(
 
     set_mode(kernels)
     set_qmm(qmm)
-    drafts_ahead()  # MTP_DRAFT_AHEAD read now: a bad value fails even where the gate picks classic
     sampling = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     if draft_block_size is not None and not 2 <= draft_block_size <= 16:
         raise UsageError(f"--draft-block-size must be in [2, 16], got {draft_block_size}")
@@ -325,7 +324,6 @@ def bench(
     from rich.progress import Progress
 
     from . import bench as B
-    from .engine.mtp import drafts_ahead
     from .example import NOTE, ensure_example, example_prompts
     from .kernels import qmm as resolved_qmm
     from .kernels import set_mode, set_qmm
@@ -333,7 +331,6 @@ def bench(
 
     set_mode(kernels)
     set_qmm(qmm)
-    drafts_ahead()  # MTP_DRAFT_AHEAD read now, before minutes of loading and warm-up
 
     for b in block_size:
         if not 2 <= b <= 16:

@@ -291,16 +291,6 @@ def load_config(model_dir: Path) -> ModelConfig:
     )
 
 
-def env_flag(name: str, default: bool) -> bool:
-    """An engine setting from the environment: ``0`` or ``1``, else a named error."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    if raw not in ("0", "1"):
-        raise UsageError(f"{name} must be 0 or 1, got {raw!r}")
-    return raw == "1"
-
-
 def env_count(name: str, default: int, what: str) -> int:
     """An engine setting from the environment: a count of ``what`` (0 or more)."""
     raw = os.environ.get(name)

@@ -13,10 +13,10 @@ the window), and the kernel count; medians (min-max). A window whose busy time i
 its wall time was paced by the host (building graphs, encoding launches), not by the kernels.
 Per round it also reports the host's time in each phase (drafting, building the verify,
 accept with its wait, the rollback) and the GPU's busy time during it. Settings such as
-``MTP_DRAFT_AHEAD`` and ``MTP_SUBMIT_EVERY`` apply as in ``mtp``.
+``MTP_SUBMIT_EVERY`` apply as in ``mtp``.
 
     python scripts/probe_timeline.py --tokens 48 --reps 4 --out DIR \
-        --arm base --arm ahead:MTP_DRAFT_AHEAD=1 --arm first2:MTP_SUBMIT_FIRST=2
+        --arm e8:MTP_SUBMIT_EVERY=8 --arm e4:MTP_SUBMIT_EVERY=4
 
 runs an A/B in one process: each arm's settings are added to the environment for its MTP runs
 (arms alternating, the order reversed every other time), and ``arms`` in the summary gives each
@@ -227,8 +227,6 @@ def run(args) -> tuple[list[dict], list[dict]]:
         with (settings(env, target),
               patch.object(target, "forward", verify_marked),
               patch.object(engine, "accept", ranged("accept", engine.accept)),
-              patch.object(engine, "accept_drafting_ahead",
-                           ranged("accept", engine.accept_drafting_ahead)),
               patch.object(engine, "rollback", ranged("rollback", engine.rollback))):  # fmt: skip
             gen = engine.generate_mtp(target, drafter, prompt, block_size=args.block_size,
                                       max_tokens=n, propose=ranged("draft", propose),

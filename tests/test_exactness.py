@@ -347,46 +347,6 @@ def test_a_verify_submitted_in_parts_still_equals_classic(load, monkeypatch):
             target_mod.submit_every()
 
 
-def test_submission_settings_move_submissions_not_tokens(load, monkeypatch):
-    """``MTP_SUBMIT_FIRST``, ``MTP_SUBMIT_DRAFTS`` and ``MTP_SUBMIT_ROLLBACK`` change when built
-    work is handed to the device (``mx.async_eval``), each by its count a round, and MTP still
-    equals classic. A random drafter: nearly every round rolls back."""
-    from mtpcli.engine import GenerationStats
-    from mtpcli.errors import UsageError
-
-    loaded = load(bits=4, drafter="random")
-    target, prompt = loaded.target, PROMPTS[2]
-    want = _classic(loaded, prompt, 24)
-    calls, real = [], mx.async_eval
-    monkeypatch.setattr(mx, "async_eval", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setenv("MTP_SUBMIT_EVERY", "0")
-
-    def submissions(**env: str) -> tuple[int, int, int]:
-        for name in ("FIRST", "DRAFTS", "ROLLBACK"):
-            monkeypatch.delenv(f"MTP_SUBMIT_{name}", raising=False)
-        for name, value in env.items():
-            monkeypatch.setenv(f"MTP_SUBMIT_{name.upper()}", value)
-        target.read_submission()
-        calls.clear()
-        stats = GenerationStats()
-        assert _mtp(loaded, prompt, 24, 3, stats) == want, env
-        hist = stats.mtp.accept_histogram
-        return len(calls), stats.mtp.rounds, stats.mtp.rounds - hist[-1]
-
-    base, rounds, rolled_back = submissions()
-    assert rolled_back > 0.8 * rounds
-    assert submissions(first="2") == (base + rounds, rounds, rolled_back)  # one a verify
-    assert submissions(drafts="1") == (base + rounds, rounds, rolled_back)  # k - 1 = 1 a round
-    assert submissions(rollback="0") == (base - rolled_back, rounds, rolled_back)
-    assert target.submit_rollback is False
-    for name, bad in (("FIRST", "-2"), ("DRAFTS", "yes"), ("ROLLBACK", "2")):
-        monkeypatch.setenv(f"MTP_SUBMIT_{name}", bad)
-        with pytest.raises(UsageError, match=f"MTP_SUBMIT_{name} must be"):
-            target.read_submission()
-        monkeypatch.delenv(f"MTP_SUBMIT_{name}")
-    target.read_submission()
-
-
 def test_eos_and_max_tokens_stop_both_engines(load):
     loaded = load()
     prompt = PROMPTS[1]
@@ -402,59 +362,3 @@ def test_eos_and_max_tokens_stop_both_engines(load):
     assert c == m == full[:first]
     for n in (1, 2, 5):
         assert _mtp(loaded, prompt, n, 4) == full[:n]
-
-
-@pytest.mark.parametrize("block", [2, 3, 4])
-def test_drafts_made_ahead_are_the_drafts_made_after_the_verdict(load, block, monkeypatch):
-    """``MTP_DRAFT_AHEAD``: during accept's wait the next drafts are built for the case that
-    every draft is accepted, kept when that is the count, and the drafter's cache trimmed back
-    when not. Every verify block, drafts included, equals the one made without drafting ahead,
-    and MTP still equals classic. A random drafter (whose drafts depend on all its cache), with
-    70% of its drafts swapped for the target's own tokens, so that guesses hold and fail."""
-    from mtpcli.bench import simulated_drafts
-    from mtpcli.engine import MTPStats
-    from mtpcli.engine import mtp as engine
-    from mtpcli.errors import UsageError
-
-    loaded = load(bits=4, drafter="random")
-    k, calls, blocks, counts = block - 1, [], [], []
-    real_forward, real_record = loaded.target.forward, MTPStats.record
-
-    def forward(tokens, cache, *, verify=False):
-        if verify:
-            blocks.append(tokens.tolist())
-        return real_forward(tokens, cache, verify=verify)
-
-    monkeypatch.setattr(loaded.target, "forward", forward)
-    monkeypatch.setattr(
-        MTPStats, "record", lambda r, d, a: counts.append(a) or real_record(r, d, a)
-    )
-    hits = misses = 0
-    for i, prompt in enumerate(PROMPTS[1:6]):
-        want = _classic(loaded, prompt, 40)
-        seen = {}
-        for ahead in (False, True):
-            simulated = simulated_drafts(want, len(prompt), 0.7, seed=i)
-            for log in (calls, blocks, counts):
-                log.clear()
-
-            def counted(*a, f=simulated):
-                calls.append(1)
-                return f(*a)
-
-            got = list(generate_mtp(loaded.target, loaded.drafter, prompt, block_size=block,
-                                    max_tokens=40, ahead=ahead, propose=counted))  # fmt: skip
-            assert got == want, (prompt[:6], ahead)
-            seen[ahead] = (list(blocks), list(counts), len(calls))
-        assert seen[True][:2] == seen[False][:2]  # the same drafts, round by round
-        rounds, used = len(counts), sum(c == k for c in counts[:-1])
-        assert seen[False][2] == rounds  # one draft a round
-        assert seen[True][2] == 2 * rounds - used  # one ahead a round; used after a full accept
-        hits, misses = hits + used, misses + sum(c < k for c in counts[:-1])
-    assert hits > 0 and misses > 0  # both ways out of a guess ran
-    monkeypatch.setenv("MTP_DRAFT_AHEAD", "1")
-    assert engine.drafts_ahead()
-    for bad in ("yes", "2", ""):
-        monkeypatch.setenv("MTP_DRAFT_AHEAD", bad)
-        with pytest.raises(UsageError, match="MTP_DRAFT_AHEAD"):
-            engine.drafts_ahead()

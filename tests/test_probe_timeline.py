@@ -107,17 +107,16 @@ def test_the_loops_are_marked_as_the_summary_reads_them(tmp_path, monkeypatch):
                                ProfilerActivity=types.SimpleNamespace(CPU=0, CUDA=1))  # fmt: skip
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(profiler=tp))
     monkeypatch.setitem(sys.modules, "torch.profiler", tp)
-    for ahead in ("0", "1"):
-        monkeypatch.setenv("MTP_DRAFT_AHEAD", ahead)
+    for every in ("0", "1"):
+        monkeypatch.setenv("MTP_SUBMIT_EVERY", every)
         args = Namespace(shape="tiny", bits=4, tokens=12, block_size=3, simulate_acceptance=0.7,
-                         out=tmp_path, arm=None, reps=1, host_profile=ahead == "1",
+                         out=tmp_path, arm=None, reps=1, host_profile=every == "1",
                          wall_only=False)  # fmt: skip
         s = probe.summary(probe.run(args)[0])
         rounds = marks.count("verify")
         assert marks.count("token") == 13 and rounds == marks.count("accept") > 2  # and the end
         assert marks.count("rollback") == rounds and s["round"]["n"] == rounds - 2
-        # a draft a round, and with drafts ahead one more a round, less those used
-        assert (marks.count("draft") == rounds) == (ahead == "0")
+        assert marks.count("draft") == rounds  # a draft a round
         assert set(s["round_phases"]) == set(probe.PHASES)
     assert "generate_mtp" in (tmp_path / "host_profile.txt").read_text()
 
@@ -134,7 +133,7 @@ def test_arms_run_alternating_in_one_process_and_are_summarised_apart(tmp_path, 
 
     marks: list[tuple[str, int, int]] = []
     tick = iter(range(10**9))
-    seen = []  # per arm run: the drafts-ahead and drafts-submission settings it ran with
+    seen = []  # per arm run: the submission setting it ran with
 
     @contextmanager
     def record_function(name):
@@ -164,17 +163,17 @@ def test_arms_run_alternating_in_one_process_and_are_summarised_apart(tmp_path, 
     real = engine.generate_mtp
 
     def generate_mtp(target, *a, **kw):
-        seen.append((engine.drafts_ahead(), target.submit_drafts))
+        seen.append(target.submit_every)
         return real(target, *a, **kw)
 
     monkeypatch.setattr(engine, "generate_mtp", generate_mtp)
-    monkeypatch.delenv("MTP_DRAFT_AHEAD", raising=False)
+    monkeypatch.delenv("MTP_SUBMIT_EVERY", raising=False)  # 0 on the CPU
     args = Namespace(shape="tiny", bits=4, tokens=12, block_size=3, simulate_acceptance=0.7,
-                     out=tmp_path, arm=["base", "both:MTP_DRAFT_AHEAD=1,MTP_SUBMIT_DRAFTS=1"],
+                     out=tmp_path, arm=["base", "both:MTP_SUBMIT_EVERY=1,MTP_UNREAD=x"],
                      reps=3, host_profile=False, wall_only=False)  # fmt: skip
     s = probe.summary(probe.run(args)[0])
     # warm-up (base, both), then base both, both base, base both
-    on, off = (True, True), (False, False)
+    on, off = 1, 0
     assert seen == [off, on, off, on, on, off, off, on]
     runs = ["base", "both", "both", "base", "base", "both"]
     assert [m for m, _, _ in marks if m.startswith("arm ")] == [f"arm {r}" for r in runs]
@@ -184,7 +183,7 @@ def test_arms_run_alternating_in_one_process_and_are_summarised_apart(tmp_path, 
     # rounds run verify to verify: of those, the first is left out (as in a plain run) and the
     # five that cross from one run into the next; every other counts once, for its own arm
     assert sum(a["round"]["n"] for a in arms.values()) == verifies - 1 - 1 - 5
-    assert "MTP_DRAFT_AHEAD" not in __import__("os").environ
+    assert not {"MTP_SUBMIT_EVERY", "MTP_UNREAD"} & set(__import__("os").environ)
 
 
 def test_a_round_that_crosses_arms_is_left_out():
@@ -221,7 +220,7 @@ def test_wall_only_runs_without_a_tracer(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "torch", None)  # importing it would fail
     args = Namespace(shape="tiny", bits=4, tokens=10, block_size=3, simulate_acceptance=0.7,
-                     out=tmp_path, arm=["x", "y:MTP_SUBMIT_DRAFTS=1"], reps=2,
+                     out=tmp_path, arm=["x", "y:MTP_SUBMIT_EVERY=2"], reps=2,
                      host_profile=False, wall_only=True)  # fmt: skip
     events, runs = probe.run(args)
     assert events == []

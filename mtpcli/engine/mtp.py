@@ -13,7 +13,6 @@ from collections.abc import Iterable, Iterator
 
 import mlx.core as mx
 
-from ..config import env_flag
 from ..drafters import Drafter
 from ..errors import UsageError
 from ..models.qwen3_5 import Qwen35Target, cache_arrays, rollback
@@ -22,11 +21,9 @@ from .sampling import (
     SamplingParams,
     accept,
     greedy,
-    greedy_verdict,
     pick,
     positions,
     probs,
-    read_greedy_verdict,
 )
 
 
@@ -57,48 +54,10 @@ def draft(
             d = mx.random.categorical(mx.log(qs[-1]))
         drafts.append(d)
         if i < k - 1:
-            if target.submit_drafts:  # the device starts on it while the next is built
-                mx.async_eval(d)
             h = drafter.forward(d.reshape(1, 1), h, cache)
     out = mx.stack(drafts).reshape(k)  # [k]
     mx.async_eval(out)
     return out, (mx.stack(qs) if qs else None)
-
-
-def drafts_ahead() -> bool:
-    """``MTP_DRAFT_AHEAD``: build the next round's drafts while accept waits (1) or not (0)."""
-    return env_flag("MTP_DRAFT_AHEAD", False)
-
-
-def accept_drafting_ahead(
-    drafter: Drafter,
-    target: Qwen35Target,
-    logits: mx.array,
-    drafts: mx.array,
-    hidden: mx.array,
-    cache: list,
-    k: int,
-    s: SamplingParams,
-    propose=draft,
-) -> tuple[int, int, mx.array | None]:
-    """Greedy accept of drafts [k] from the verify's logits [k+1, V] and hidden states
-    [1, k+1, H], with the next round's drafts built while the device finishes the verify.
-
-    They are made for the case that all k drafts are accepted, whose tokens and hidden states
-    are the verify's own (still lazy): the verdict is submitted first, so waiting for it does not
-    wait for them. Returns (accepted count, next token, the next round's drafts or None); the
-    drafter's cache is left as ``draft`` expects it either way.
-    """
-    verdict = greedy_verdict(logits, drafts)  # [2k+1]: the target's tokens, then the drafts
-    mx.async_eval(verdict)
-    drafter.trim(cache, k - 1)  # the last round's chained drafts, as every round
-    guess = mx.concatenate([verdict[k + 1 :], verdict[k : k + 1]])  # [k+1]: drafts, next token
-    ahead, _ = propose(drafter, target, guess, hidden, cache, k, s)
-    n, nxt = read_greedy_verdict(verdict.tolist())
-    if n < k:  # not the guessed count: undo its k+1 positions caught up and k-1 chained
-        drafter.trim(cache, 2 * k)
-        ahead = None
-    return n, nxt, ahead
 
 
 def generate_mtp(
@@ -112,20 +71,16 @@ def generate_mtp(
     eos_ids: Iterable[int] = (),
     stats: GenerationStats | None = None,
     propose=draft,
-    ahead: bool | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids (EOS excluded) until EOS or ``max_tokens``.
 
-    ``propose`` makes the drafts (``draft``'s signature); benchmarks swap in a wrapper. With
-    ``ahead`` (default ``MTP_DRAFT_AHEAD``), greedy rounds build the next drafts during accept's
-    wait (``accept_drafting_ahead``).
+    ``propose`` makes the drafts (``draft``'s signature); benchmarks swap in a wrapper.
     """
     if not 2 <= block_size <= 16:
         raise UsageError(f"block size must be in [2, 16], got {block_size}")
     stats = stats if stats is not None else GenerationStats()
     stats.mtp = rs = MTPStats(block_size)
     eos, k = set(eos_ids), block_size - 1
-    ahead = (drafts_ahead() if ahead is None else ahead) and sampling.greedy
     tokens = prompt_array(prompt)
     tcache, dcache = target.make_cache(), drafter.make_cache()
     start = time.perf_counter()
@@ -136,7 +91,7 @@ def generate_mtp(
     # The drafter sees token j+1 with the target hidden at j.
     ctx_tokens = mx.array(tokens[0, 1:].tolist() + [pending], mx.uint32)
     ctx_hidden = hidden
-    emitted, n, next_drafts = [pending], 0, None
+    emitted, n = [pending], 0
     try:
         while True:
             for t in emitted:
@@ -148,27 +103,18 @@ def generate_mtp(
             if n >= max_tokens:
                 return
             t0 = time.perf_counter()
-            if next_drafts is None:
-                drafts, q = propose(drafter, target, ctx_tokens, ctx_hidden, dcache, k, sampling)
-            else:  # built during the last round's accept
-                drafts, q = next_drafts, None
+            drafts, q = propose(drafter, target, ctx_tokens, ctx_hidden, dcache, k, sampling)
             t1 = time.perf_counter()
             block = mx.concatenate([mx.array([pending], drafts.dtype), drafts])[None]  # [1, k+1]
             out = target.forward(block, tcache, verify=True)
             logits = positions(target.lm_head(out.hidden, exact=True))  # [k+1, V]
             t_built = time.perf_counter()  # the rest of the verify is the wait for the device
-            if ahead:
-                n_acc, nxt, next_drafts = accept_drafting_ahead(
-                    drafter, target, logits, drafts, out.hidden, dcache, k, sampling, propose
-                )
-            else:
-                n_acc, nxt = accept(logits, drafts, q, sampling)
-                drafter.trim(dcache, k - 1)
+            n_acc, nxt = accept(logits, drafts, q, sampling)
+            drafter.trim(dcache, k - 1)
             draft_ids = drafts.tolist()  # computed by now: accept read the verify
             t2 = time.perf_counter()
             rollback(tcache, out.traces, n_acc + 1, k + 1)
-            if target.submit_rollback:  # the next round's draft is built meanwhile
-                mx.async_eval(cache_arrays(tcache))
+            mx.async_eval(cache_arrays(tcache))  # the next round's draft is built meanwhile
             rs.record(k, n_acc)
             rs.draft_s += t1 - t0
             rs.verify_s += t2 - t1

@@ -21,7 +21,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .. import kernels
-from ..config import ModelConfig, env_count, env_flag
+from ..config import ModelConfig, env_count
 from ..kernels import quantized_matmul
 from ..kernels.decode_attention import MAX_T, Rope, decode_attention
 from ..kernels.gated_delta import gated_delta_conv
@@ -332,15 +332,8 @@ class Qwen35Target:
         self.head_unprobed = gpu and _dense(self._head()[0])
 
     def read_submission(self) -> None:
-        """When built work is handed to the device in an MTP round, from the environment:
-        ``MTP_SUBMIT_EVERY`` (above), ``MTP_SUBMIT_FIRST`` (a verify's first submission after
-        this many layers; 0: at ``submit_every``), ``MTP_SUBMIT_DRAFTS`` (1: each chained
-        draft as soon as it is built; 0: the drafts together) and ``MTP_SUBMIT_ROLLBACK`` (1:
-        the rolled-back cache arrays at once; 0: with the next verify)."""
+        """``MTP_SUBMIT_EVERY`` from the environment, again (probes change it between runs)."""
         self.submit_every = submit_every()
-        self.submit_first = env_count("MTP_SUBMIT_FIRST", 0, "layers (0: as MTP_SUBMIT_EVERY)")
-        self.submit_drafts = env_flag("MTP_SUBMIT_DRAFTS", False)
-        self.submit_rollback = env_flag("MTP_SUBMIT_ROLLBACK", True)
 
     def _fuse(self) -> tuple[dict, dict]:
         """Per layer: the input projections (gated-delta: qkv, z, b, a; attention: q, k, v),
@@ -487,14 +480,14 @@ class Qwen35Target:
         mask = create_attention_mask(h, kv)  # unused where attention goes position by position
         traces: list[GatedDeltaTrace | None] = []
         hs = (h,)  # the residual stream (see ``stream``)
-        every, first = (self.submit_every, self.submit_first) if verify else (0, 0)
+        every = self.submit_every if verify else 0
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             if layer.is_linear:
                 hs, trace = self._linear_layer(i, hs, c, verify, compiled)
             else:
                 hs, trace = self._attention_layer(i, hs, mask, c, verify, compiled), None
             traces.append(trace)
-            if (every and (i + 1) % every == 0) or i + 1 == first:
+            if every and (i + 1) % every == 0:
                 mx.async_eval(hs)
         self.functions.end(T)
         return ForwardOut(self.text.model.norm(hs[0]), traces if verify else None)
