@@ -458,7 +458,8 @@ def main() -> None:
     res["mlx_lm_ms"] = {T: v["median"] for T, v in res["mlx_lm_forward_ms"].items()}
     print("mlx-lm forward", {T: round(v, 2) for T, v in res["mlx_lm_ms"].items()}, flush=True)
     save(res)
-    res["row_policy"] = {_op_name(key): ok for key, ok in target.policy.verdicts.items()}
+    policy = target.policy
+    res["row_policy"] = {_op_name(policy, key): ok for key, ok in policy.verdicts.items()}
     res["ratio"] = {T: res["ms"][T] / res["ms"][1] for T in TS}
     res["gated_delta_48_layers_ms"] = {
         "native": {T: gated_delta_alone(T, True, args.repeats) for T in TS},
@@ -499,12 +500,12 @@ def main() -> None:
     print(_markdown(res, args))
 
 
-def _op_name(key: tuple) -> str:
+def _op_name(policy, key: tuple) -> str:
     sig, T, dtype = key
     part = ""
-    if isinstance(sig[-1], str):  # (layer signature, part)
-        sig, part = sig[0], f" {sig[-1]}"
-    kind, bits, shapes = sig
+    if isinstance(sig, tuple):  # (layer signature, part)
+        sig, part = sig[0], f" {sig[1]}"
+    kind, bits, shapes = policy.op_class(sig)
     first = shapes[0][1] if shapes else ()
     return f"{kind}{part}{'' if bits is None else f'/{bits}bit'} {first} T={T} {dtype}"
 

@@ -179,8 +179,11 @@ def test_row_policy_catches_an_op_that_is_not_row_invariant(load, monkeypatch):
     assert _mtp(load(bits=4), prompt, 48, 4) == want
     # The policy decides per layer function (a gated-delta layer with its MLP, compiled).
     verdicts = target.policy.verdicts
+    layer_class = type(target.layers[0]).__name__
     assert any(
-        not ok for key, ok in verdicts.items() if key[0][0] == type(target.layers[0]).__name__
+        not ok
+        for key, ok in verdicts.items()
+        if isinstance(key[0], int) and target.policy.op_class(key[0])[0] == layer_class
     )
     # Without the policy (batched everywhere), the same op breaks exactness.
     monkeypatch.setattr(
@@ -362,3 +365,18 @@ def test_eos_and_max_tokens_stop_both_engines(load):
     assert c == m == full[:first]
     for n in (1, 2, 5):
         assert _mtp(loaded, prompt, n, 4) == full[:n]
+
+
+def test_op_classes_are_numbered_once_and_read_back():
+    """``RowPolicy.signature``: modules of one op class share a number, others get their own,
+    and ``op_class`` gives the class back."""
+    import mlx.nn as nn
+
+    from mtpcli.models.qwen3_5 import RowPolicy
+
+    policy = RowPolicy()
+    a, b, c = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(8, 4)
+    assert policy.signature(a) == policy.signature(b) != policy.signature(c)
+    assert policy.signature(a) == policy.signature(a)  # cached
+    name, bits, shapes = policy.op_class(policy.signature(c))
+    assert (name, bits) == ("Linear", None) and ("weight", (4, 8), "mlx.core.float32") in shapes

@@ -172,9 +172,13 @@ def backend() -> str:
     """'cuda', 'metal' or 'cpu': where the default device's kernels would run."""
     if mx.default_device() == mx.cpu:
         return "cpu"
-    if available("metal"):
-        return "metal"
-    return "cuda" if available("cuda") else "cpu"
+    if not _gpu_backend:  # a process's backends do not change: asked once (~80 times a verify)
+        _gpu_backend.append("metal" if available("metal") else
+                            "cuda" if available("cuda") else "cpu")  # fmt: skip
+    return _gpu_backend[0]
+
+
+_gpu_backend: list[str] = []
 
 
 def use_native(name: str, key: tuple, check: Callable[[], str | None]) -> bool:
