@@ -168,17 +168,17 @@ def available(name: str) -> bool:
     return bool(module is not None and module.is_available())
 
 
+_gpu_backend: list[str] = []  # the GPU's backend, once known: a process's do not change
+
+
 def backend() -> str:
     """'cuda', 'metal' or 'cpu': where the default device's kernels would run."""
     if mx.default_device() == mx.cpu:
         return "cpu"
-    if not _gpu_backend:  # a process's backends do not change: asked once (~80 times a verify)
+    if not _gpu_backend:  # asked about 80 times a verify block
         _gpu_backend.append("metal" if available("metal") else
                             "cuda" if available("cuda") else "cpu")  # fmt: skip
     return _gpu_backend[0]
-
-
-_gpu_backend: list[str] = []
 
 
 def use_native(name: str, key: tuple, check: Callable[[], str | None]) -> bool:

@@ -68,7 +68,7 @@ class RowPolicy:
     def signature(self, module: nn.Module) -> int:
         """The module's op class (its type, bits, parameter names, shapes and dtypes) as a small
         number: keys made of it hash at once, where the class itself (a tuple of tuples, whose
-        hash Python does not keep) took about 10 us a lookup, 81 lookups a verify block."""
+        hash Python does not keep) took 0.6 us a lookup on the dev CPU, 81 lookups a verify."""
         entry = self._sigs.get(id(module))
         if entry is None:
             params = tree_flatten(module.parameters())
