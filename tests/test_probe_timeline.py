@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -183,7 +184,7 @@ def test_arms_run_alternating_in_one_process_and_are_summarised_apart(tmp_path, 
     # rounds run verify to verify: of those, the first is left out (as in a plain run) and the
     # five that cross from one run into the next; every other counts once, for its own arm
     assert sum(a["round"]["n"] for a in arms.values()) == verifies - 1 - 1 - 5
-    assert not {"MTP_SUBMIT_EVERY", "MTP_UNREAD"} & set(__import__("os").environ)
+    assert not {"MTP_SUBMIT_EVERY", "MTP_UNREAD"} & set(os.environ)
 
 
 def test_a_round_that_crosses_arms_is_left_out():
