@@ -32,6 +32,10 @@ def test_samples_go_to_the_innermost_project_line_within_the_function():
     assert found == {"forward (mtpcli/models/qwen3_5.py:500)": 0.8,
                      "generate_mtp (mtpcli/engine/mtp.py:101)": 0.2}  # fmt: skip
     assert summary.shares(STACKS, "nothing here") == (0, {})
+    total, found = summary.shares(STACKS, "generate_mtp", ("prefill",), leaf=True)
+    assert total == 10 and found == {"forward (mtpcli/models/qwen3_5.py:500)": 0.6,
+                                     "__call__ (mlx/nn/base.py:3)": 0.2,
+                                     "generate_mtp (mtpcli/engine/mtp.py:101)": 0.2}  # fmt: skip
 
 
 def test_the_command_line_prints_the_shares(tmp_path):
