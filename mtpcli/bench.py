@@ -34,8 +34,19 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+def spread(values: list[float], count: bool = False) -> dict:
+    out = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out | {"n": len(values)} if count else out
+
+
+def parse_arm(text: str) -> tuple[str, dict[str, str]]:
+    """An A/B arm, 'name:VAR=value,VAR2=value' -> (name, {VAR: value, ...}); 'name' alone:
+    no changes (the scripts' ``--arm``)."""
+    name, _, settings = text.partition(":")
+    items = [item.partition("=") for item in settings.split(",") if item]
+    if not name or any(not k or not eq for k, eq, _ in items):
+        raise SystemExit(f"an arm is name:VAR=value[,VAR=value], got {text!r}")
+    return name, {k: v for k, _, v in items}
 
 
 def machine() -> dict:

@@ -9,12 +9,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import BadConfigError, ConfigOutOfBoundsError, UnsupportedModelTypeError, UsageError
+from .errors import BadConfigError, ConfigOutOfBoundsError, UnsupportedModelTypeError
 
 # model_type -> what it is, for targets and drafters.
 TARGET_TYPES = ("qwen3_5", "qwen3_5_moe")
@@ -289,13 +288,3 @@ def load_config(model_dir: Path) -> ModelConfig:
         block_size=block_size,
         nested=nested,
     )
-
-
-def env_count(name: str, default: int, what: str) -> int:
-    """An engine setting from the environment: a count of ``what`` (0 or more)."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    if not raw.strip().isdigit():
-        raise UsageError(f"{name} must be a number of {what}, got {raw!r}")
-    return int(raw)

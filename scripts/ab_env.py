@@ -21,18 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 from pathlib import Path
 
-
-def parse_arm(text: str) -> tuple[str, dict[str, str]]:
-    """'name:VAR=value,VAR2=value' -> (name, {VAR: value, ...}); 'name' alone: no changes."""
-    name, _, settings = text.partition(":")
-    items = [item.partition("=") for item in settings.split(",") if item]
-    if not name or any(not k or not eq for k, eq, _ in items):
-        raise SystemExit(f"an arm is name:VAR=value[,VAR=value], got {text!r}")
-    return name, {k: v for k, _, v in items}
+from mtpcli.bench import parse_arm, spread
 
 
 def run_one(command: list[str], env: dict[str, str], limit: float) -> dict:
@@ -54,11 +46,6 @@ def run_one(command: list[str], env: dict[str, str], limit: float) -> dict:
             "same_tokens": arm.get("same_tokens_as_classic"), "doc": doc}  # fmt: skip
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values)}  # fmt: skip
-
-
 def summarize(arms: list[str], rounds: list[dict[str, dict]]) -> dict:
     """Per arm: spreads over its good processes; MTP tok/s over the first arm's, per round."""
     out: dict = {}
@@ -67,12 +54,12 @@ def summarize(arms: list[str], rounds: list[dict[str, dict]]) -> dict:
         row: dict = {"failed": [r[name]["why"] for r in rounds if not r[name]["ok"]]}
         if good:
             for key in ("classic_tps", "mtp_tps", "speedup"):
-                row[key] = spread([g[key] for g in good])
+                row[key] = spread([g[key] for g in good], count=True)
             row["same_tokens_always"] = all(g["same_tokens"] for g in good)
         pairs = [r[name]["mtp_tps"] / r[arms[0]]["mtp_tps"] for r in rounds
                  if r[name]["ok"] and r[arms[0]]["ok"]]  # fmt: skip
         if pairs and name != arms[0]:
-            row[f"mtp_over_{arms[0]}_per_round"] = spread(pairs)
+            row[f"mtp_over_{arms[0]}_per_round"] = spread(pairs, count=True)
         out[name] = row
     return out
 

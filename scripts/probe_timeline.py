@@ -32,11 +32,13 @@ import cProfile
 import json
 import os
 import pstats
-import statistics
 import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from unittest.mock import patch
+
+from mtpcli.bench import parse_arm, spread
+from mtpcli.models.qwen3_5 import submit_every
 
 # The host's windows: a classic token, an MTP round (from its verify's build to the next's).
 MARKS = {"token": "token", "verify": "round"}
@@ -101,9 +103,6 @@ def summary(events: list[dict]) -> dict:
     """Medians (min-max) per mark of wall ms, busy ms, busy / wall and kernels; with arms, the
     rounds of each arm apart (a round that crosses from one arm's run to the next is left out)."""
 
-    def spread(values: list[float]) -> dict:
-        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
     def of(ws: list[dict]) -> dict:
         return {"n": len(ws),
                 "wall_ms": spread([w["wall_us"] / 1e3 for w in ws]),
@@ -137,21 +136,12 @@ def summary(events: list[dict]) -> dict:
     return res
 
 
-def parse_arm(text: str) -> tuple[str, dict[str, str]]:
-    """'name:VAR=value,VAR2=value' -> (name, {VAR: value, ...}); 'name' alone: as set."""
-    name, _, settings = text.partition(":")
-    items = [item.partition("=") for item in settings.split(",") if item]
-    if not name or " " in name or any(not k or not eq for k, eq, _ in items):
-        raise SystemExit(f"an arm is name:VAR=value[,VAR=value], got {text!r}")
-    return name, {k: v for k, _, v in items}
-
-
 @contextmanager
 def settings(env: dict[str, str], target):
-    """The environment with ``env`` added, read again by the target, for one run."""
+    """The environment with ``env`` added, ``MTP_SUBMIT_EVERY`` read again, for one run."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    target.read_submission()
+    target.submit_every = submit_every()
     try:
         yield
     finally:
@@ -160,7 +150,7 @@ def settings(env: dict[str, str], target):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        target.read_submission()
+        target.submit_every = submit_every()
 
 
 class _NoTracer:
@@ -275,22 +265,17 @@ def run(args) -> tuple[list[dict], list[dict]]:
 def wall_summary(runs: list[dict]) -> dict:
     """Per arm: medians (min-max) of ms a round (a token, for classic) and of tok/s, and of
     its tok/s over the first MTP arm's in the same repetition."""
-
-    def spread(values: list[float]) -> dict:
-        return {"median": statistics.median(values), "min": min(values), "max": max(values),
-                "n": len(values)}  # fmt: skip
-
     names = list(dict.fromkeys(r["arm"] for r in runs))
     first = next((n for n in names if n != "classic"), None)
     tps = {(r["arm"], r["rep"]): r["tps"] for r in runs}
     out = {}
     for name in names:
         mine = [r for r in runs if r["arm"] == name]
-        out[name] = {"round_ms": spread([r["round_ms"] for r in mine]),
-                     "tps": spread([r["tps"] for r in mine])}  # fmt: skip
+        out[name] = {"round_ms": spread([r["round_ms"] for r in mine], count=True),
+                     "tps": spread([r["tps"] for r in mine], count=True)}  # fmt: skip
         paired = [r["tps"] / tps[(first, r["rep"])] for r in mine if (first, r["rep"]) in tps]
         if name != first and paired:
-            out[name][f"tps_over_{first}"] = spread(paired)
+            out[name][f"tps_over_{first}"] = spread(paired, count=True)
     return out
 
 

@@ -17,14 +17,7 @@ from ..drafters import Drafter
 from ..errors import UsageError
 from ..models.qwen3_5 import Qwen35Target, cache_arrays, rollback
 from . import GenerationStats, MTPStats, prompt_array
-from .sampling import (
-    SamplingParams,
-    accept,
-    greedy,
-    pick,
-    positions,
-    probs,
-)
+from .sampling import SamplingParams, accept, greedy, pick, positions, probs
 
 
 def draft(

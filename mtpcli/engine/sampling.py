@@ -79,26 +79,16 @@ def accept_greedy(drafts: list[int], targets: list[int]) -> int:
     return n
 
 
-def greedy_verdict(logits: mx.array, drafts: mx.array) -> mx.array:
-    """The target's own tokens [k+1] from logits [k+1, V], then the drafts [k]: [2k+1], lazy,
-    so that reading a round's verdict is one wait (``read_greedy_verdict``)."""
-    return mx.concatenate([greedy(logits), drafts.astype(mx.uint32)])
-
-
-def read_greedy_verdict(values: list[int]) -> tuple[int, int]:
-    """``greedy_verdict``'s values -> (accepted drafts, next token)."""
-    k = len(values) // 2
-    n = accept_greedy(values[k + 1 :], values[: k + 1])
-    return n, values[n]
-
-
 def accept(
     logits: mx.array, drafts: mx.array, q: mx.array | None, s: SamplingParams
 ) -> tuple[int, int]:
     """One round's verdict from the target logits [k+1, V] and the drafts [k] (token ids):
     (accepted drafts, next token)."""
     if s.greedy:
-        return read_greedy_verdict(greedy_verdict(logits, drafts).tolist())
+        both = mx.concatenate([greedy(logits), drafts.astype(mx.uint32)]).tolist()  # one wait
+        k = drafts.shape[0]
+        n = accept_greedy(both[k + 1 :], both[: k + 1])
+        return n, both[n]
     return accept_sampled(probs(logits, s), q, drafts)
 
 

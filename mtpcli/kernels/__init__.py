@@ -8,6 +8,7 @@ backend has one), ``native`` (skip the check), ``ops`` (reference only).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import warnings
@@ -168,17 +169,14 @@ def available(name: str) -> bool:
     return bool(module is not None and module.is_available())
 
 
-_gpu_backend: list[str] = []  # the GPU's backend, once known: a process's do not change
+@functools.cache  # a process's backends do not change; backend() is asked ~80 times a verify
+def _gpu_backend() -> str:
+    return "metal" if available("metal") else "cuda" if available("cuda") else "cpu"
 
 
 def backend() -> str:
     """'cuda', 'metal' or 'cpu': where the default device's kernels would run."""
-    if mx.default_device() == mx.cpu:
-        return "cpu"
-    if not _gpu_backend:  # asked about 80 times a verify block
-        _gpu_backend.append("metal" if available("metal") else
-                            "cuda" if available("cuda") else "cpu")  # fmt: skip
-    return _gpu_backend[0]
+    return "cpu" if mx.default_device() == mx.cpu else _gpu_backend()
 
 
 def use_native(name: str, key: tuple, check: Callable[[], str | None]) -> bool:

@@ -9,6 +9,7 @@ each row bitwise the single-position result; ``RowPolicy`` finds that out per op
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,8 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .. import kernels
-from ..config import ModelConfig, env_count
+from ..config import ModelConfig
+from ..errors import UsageError
 from ..kernels import quantized_matmul
 from ..kernels.decode_attention import MAX_T, Rope, decode_attention
 from ..kernels.gated_delta import gated_delta_conv
@@ -297,8 +299,13 @@ def submit_every() -> int:
     """``MTP_SUBMIT_EVERY``: submit a verify block every this many layers (0: at its wait).
 
     Unset, it is ``SUBMIT_EVERY_GPU`` on a GPU backend and 0 on the CPU."""
-    default = 0 if kernels.backend() == "cpu" else SUBMIT_EVERY_GPU
-    return env_count("MTP_SUBMIT_EVERY", default, "layers (0: off)")
+    raw = os.environ.get("MTP_SUBMIT_EVERY")
+    if raw is None:
+        return 0 if kernels.backend() == "cpu" else SUBMIT_EVERY_GPU
+    n = int(raw) if raw.strip().isdigit() else -1
+    if n < 0:
+        raise UsageError(f"MTP_SUBMIT_EVERY must be a number of layers (0: off), got {raw!r}")
+    return n
 
 
 class Qwen35Target:
@@ -312,7 +319,7 @@ class Qwen35Target:
         # the stream so far is submitted (mx.async_eval), the device running the first
         # layers while the rest are built; 0 submits once, at the wait. Decode steps are not
         # submitted in parts: on the H200 that measured no faster (session 18).
-        self.read_submission()
+        self.submit_every = submit_every()
         ours = kernels.qmm() == "ours"
         if ours:  # decode and verify rows then share one product kernel
             quantized_matmul.install(model)
@@ -339,10 +346,6 @@ class Qwen35Target:
             r or (gpu and _dense(ly)) for r, ly in zip(self.routed_on_gpu, self.layers, strict=True)
         ]
         self.head_unprobed = gpu and _dense(self._head()[0])
-
-    def read_submission(self) -> None:
-        """``MTP_SUBMIT_EVERY`` from the environment, again (probes change it between runs)."""
-        self.submit_every = submit_every()
 
     def _fuse(self) -> tuple[dict, dict]:
         """Per layer: the input projections (gated-delta: qkv, z, b, a; attention: q, k, v),
