@@ -3,7 +3,7 @@
     python scripts/probe_host_bound.py --runs 6 --out DIR              # the decode loop
     MLX_USE_CUDA_GRAPHS=0 python scripts/probe_host_bound.py --runs 6  # a setting: own process
     python scripts/probe_host_bound.py --op-costs --out DIR            # host cost a call
-    python scripts/probe_host_bound.py --build --out DIR               # build time, by function
+    python scripts/probe_host_bound.py --build --out DIR               # build and encode times
     python scripts/probe_host_bound.py --runs 8 --begin-norms-every-other  # the two-launch norm
 
 The decode part runs our classic loop on a random-weight model of ``--shape`` (a fresh cache
@@ -17,6 +17,10 @@ each run's tokens after the fourth, in ms; with ``--sync-every-other`` odd runs 
 ``--op-costs`` times chains of 400 dependent calls of one kind in one graph (build, then
 evaluate; us a call, median of 7): MLX ops, MLX's quantized product, ours (on a GPU), and, on
 CUDA, trivial custom kernels that read their inputs' shapes, constants or strides.
+
+``--build`` times, apart, the pure build of a decode step, a verify block of 3 and two drafts,
+and ``mx.async_eval``'s call on each with nothing queued before it: MLX's encoding without any
+wait for earlier work (in the real loop the same call can also wait, ``scheduler`` back-pressure).
 """
 
 from __future__ import annotations
@@ -130,7 +134,8 @@ def custom_kernel_costs() -> dict:
 
 
 def build_costs(target, drafter, prompt: list[int], n: int = 30) -> dict:
-    """The host's pure build time (no evaluation inside: verify blocks unsubmitted) of a decode
+    """The host's pure build time (no evaluation inside: verify blocks unsubmitted) and
+    ``mx.async_eval``'s call on an idle queue (MLX's encoding and submission alone) of a decode
     step, a 3-token verify block (with its exact head and the rollback of two of its positions) and
     two chained drafts, ms, median of ``n`` after warm-up; and a cProfile of the verify builds
     (the top functions by own time, in ms a block)."""
@@ -160,8 +165,8 @@ def build_costs(target, drafter, prompt: list[int], n: int = 30) -> dict:
         drafter.trim(dcache, 4)  # back to where it was
         return d
 
-    def timed(fn, profiler=None) -> float:
-        times = []
+    def timed(fn, profiler=None) -> tuple[float, float]:
+        builds, submits = [], []
         for i in range(n + 4):
             if profiler:
                 profiler.enable()
@@ -170,13 +175,18 @@ def build_costs(target, drafter, prompt: list[int], n: int = 30) -> dict:
             t1 = time.perf_counter()
             if profiler:
                 profiler.disable()
+            mx.async_eval(out)  # the queue is empty: the call is MLX's encoding alone
+            t2 = time.perf_counter()
             mx.eval(out)
             if i >= 4:  # warm-up: the first block of each length runs op by op
-                times.append((t1 - t0) * 1e3)
-        return round(statistics.median(times), 3)
+                builds.append((t1 - t0) * 1e3)
+                submits.append((t2 - t1) * 1e3)
+        return round(statistics.median(builds), 3), round(statistics.median(submits), 3)
 
-    res = {"build_ms": {"decode_step": timed(decode), "verify_block_3": timed(verify),
-                        "drafts_2": timed(drafts)}}  # fmt: skip
+    parts = {"decode_step": timed(decode), "verify_block_3": timed(verify),
+             "drafts_2": timed(drafts)}  # fmt: skip
+    res = {"build_ms": {k: b for k, (b, _) in parts.items()},
+           "submit_ms": {k: s for k, (_, s) in parts.items()}}  # fmt: skip
     import cProfile
     import pstats
 
@@ -209,7 +219,7 @@ def main() -> None:
     ap.add_argument(
         "--build",
         action="store_true",
-        help="only the host's build time of a decode step, a verify, the drafts",
+        help="only the host's build and encode times of a decode step, a verify, the drafts",
     )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -222,7 +232,7 @@ def main() -> None:
     elif args.build:
         target, drafter = synthetic.build(args.shape, bits=args.bits)
         res |= build_costs(target, drafter, mx.random.randint(0, 1000, (64,)).tolist())
-        print(json.dumps(res["build_ms"]), flush=True)
+        print(json.dumps({"build_ms": res["build_ms"], "submit_ms": res["submit_ms"]}), flush=True)
         for row in res["verify_profile_ms_a_block"]:
             print(
                 f"{row['own']:8.3f} {row['cumulative']:8.3f} {row['calls']:6.1f} {row['function']}"

@@ -26,6 +26,8 @@ def test_build_costs_time_each_part_and_profile_the_verify(monkeypatch):
     res = probe.build_costs(target, drafter, list(range(10)), n=3)
     assert set(res["build_ms"]) == {"decode_step", "verify_block_3", "drafts_2"}
     assert all(v > 0 for v in res["build_ms"].values())
+    assert set(res["submit_ms"]) == set(res["build_ms"])
+    assert all(v > 0 for v in res["submit_ms"].values())
     blocks = [at for T, at in offsets if T == 3]
     assert len(blocks) == 2 * (3 + 4)  # timed, then profiled
     assert blocks == list(range(blocks[0], blocks[0] + len(blocks)))  # one position kept each
