@@ -366,3 +366,22 @@ def test_cuda_folded_conv_equals_the_conv_kernel_then_the_raw_kernel():
     got = gd.gated_delta_conv_native(*args, keep_states=True)
     want = gd._conv_then_delta(cw.conv_silu_native, gd.gated_delta_raw_native, *args, True)
     assert all(_bitwise(x, y) for x, y in zip(got, want, strict=True))
+
+
+def test_a_constant_input_is_made_once_per_weight():
+    """``kernels.constant``: made and evaluated at first use, the same array after, a new one
+    for another weight or another way of making it; the entry keeps the weight alive."""
+    calls = []
+
+    def make(w):
+        calls.append(1)
+        return mx.contiguous(w.reshape(2, 3))
+
+    w, other = mx.arange(6).astype(mx.float32), mx.arange(6).astype(mx.float32)
+    a = kernels.constant(w, "rows", make)
+    assert kernels.constant(w, "rows", make) is a and len(calls) == 1
+    assert a.shape == (2, 3) and mx.array_equal(a.reshape(6), w).item()
+    kernels.constant(other, "rows", make)
+    kernels.constant(w, "flat", lambda x: x)
+    assert len(calls) == 2
+    assert kernels._constants[(id(w), "rows")][0] is w

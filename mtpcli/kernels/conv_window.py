@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import available, backend, built, kernel_name, use_native
+from . import available, backend, built, constant, kernel_name, use_native
 
 
 def conv_silu_ops(x: mx.array, window: mx.array, weight: mx.array):
@@ -143,7 +143,7 @@ def conv_silu_native(x: mx.array, window: mx.array, weight: mx.array):
     K = weight.shape[1]
     return tuple(
         kernel(
-            inputs=[x, window, mx.contiguous(weight)],
+            inputs=[x, window, constant(weight, "contiguous", mx.contiguous)],
             template=[("InT", x.dtype), ("K", K)],
             grid=(-(-C // _THREADS) * _THREADS, B, 1),
             threadgroup=(_THREADS, 1, 1),

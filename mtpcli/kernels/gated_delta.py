@@ -15,7 +15,7 @@ import itertools
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from . import available, backend, built, kernel_name, launch_bounds, spell, use_native
+from . import available, backend, built, constant, kernel_name, launch_bounds, spell, use_native
 from .conv_window import conv_silu, conv_silu_ops
 
 
@@ -471,8 +471,9 @@ def gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state, *, keep_states=
     kernel = _kernel(_keeps(q, keep_states), raw=True)
     if kernel is None:
         return None
-    inputs = [q, k, v, a.astype(q.dtype), b.astype(q.dtype), mx.contiguous(A_log),
-              mx.contiguous(dt_bias), state.astype(mx.float32)]  # fmt: skip
+    inputs = [q, k, v, a.astype(q.dtype), b.astype(q.dtype),
+              constant(A_log, "contiguous", mx.contiguous),
+              constant(dt_bias, "contiguous", mx.contiguous), state.astype(mx.float32)]  # fmt: skip
     types = [("AT", A_log.dtype), ("DT", dt_bias.dtype)]  # in the name: they type the signature
     out = _launch(kernel, inputs, _dims(q, v), q.dtype, _keeps(q, keep_states), types)
     return _with_states(out, keep_states)
@@ -519,8 +520,11 @@ def gated_delta_conv_native(qkv, window, conv_w, a, b, A_log, dt_bias, state, he
     if kernel is None:
         return None
     K = conv_w.shape[1]
-    inputs = [qkv, window, mx.contiguous(conv_w.reshape(NC, K)), a.astype(qkv.dtype),
-              b.astype(qkv.dtype), mx.contiguous(A_log), mx.contiguous(dt_bias),
+    inputs = [qkv, window, constant(conv_w, f"rows {NC}x{K}",
+                                    lambda w: mx.contiguous(w.reshape(NC, K))),
+              a.astype(qkv.dtype), b.astype(qkv.dtype),
+              constant(A_log, "contiguous", mx.contiguous),
+              constant(dt_bias, "contiguous", mx.contiguous),
               state.astype(mx.float32)]  # fmt: skip
     # in the name: they type the signature
     types = [("AT", A_log.dtype), ("DT", dt_bias.dtype), ("WT", conv_w.dtype)]

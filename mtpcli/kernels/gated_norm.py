@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.activations import precise_swiglu
 
-from . import available, backend, built, kernel_name, spell, use_native
+from . import available, backend, built, constant, kernel_name, spell, use_native
 
 
 def gated_norm_ops(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx.array:
@@ -119,7 +119,7 @@ def gated_norm_native(y: mx.array, z: mx.array, weight: mx.array, eps: float):
     B, S, H, D = y.shape
     rows = B * S * H
     return kernel(
-        inputs=[y, z, mx.contiguous(weight)],
+        inputs=[y, z, constant(weight, "contiguous", mx.contiguous)],
         template=[("InT", y.dtype), ("D", D), ("WARPS", _WARPS)],
         grid=(32 * _WARPS * -(-rows // _WARPS), 1, 1),
         threadgroup=(32 * _WARPS, 1, 1),
