@@ -4,6 +4,8 @@ kernel itself against MLX's reference, row by row."""
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -79,24 +81,32 @@ def _pretend_gpu(monkeypatch, native):
     monkeypatch.setattr(kernels, "mode", lambda: "auto")
 
 
+def _rows(x) -> int:
+    """x [..., K]'s rows, as a native product counts them: its leading axes."""
+    return math.prod(x.shape[:-1])
+
+
 def _reference_rows(x, w, scales, biases, **kw):
-    # A correct, row-invariant stand-in for a native kernel: the reference one row at a time.
-    return mx.concatenate([qm.quantized_matmul_ops(x[i : i + 1], w, scales, biases, **kw)
-                           for i in range(x.shape[0])])  # fmt: skip
+    # A correct, row-invariant stand-in for a native kernel: the reference one row at a time,
+    # x [..., K] with its leading axes as rows, as the kernel takes it.
+    rows = x.reshape(-1, x.shape[-1])
+    y = mx.concatenate([qm.quantized_matmul_ops(rows[i : i + 1], w, scales, biases, **kw)
+                        for i in range(rows.shape[0])])  # fmt: skip
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def test_a_correct_row_invariant_kernel_is_trusted_and_used(monkeypatch):
     calls = []
 
     def native(x, *a, **kw):
-        calls.append(x.shape[0])
+        calls.append(x.shape[:-1])
         return _reference_rows(x, *a, **kw)
 
     _pretend_gpu(monkeypatch, native)
     x, w, s, b = _layer_inputs()
     y = qm.quantized_matmul(x[:3].reshape(1, 3, -1), w, s, b, group_size=64, bits=4)
     assert y.shape == (1, 3, 40)
-    assert calls[-1] == 3  # the product itself went native, after the self-check's calls
+    assert calls[-1] == (1, 3)  # the product itself went native, after the self-check's calls
     want = _reference_rows(x[:3], w, s, b, group_size=64, bits=4)
     assert mx.array_equal(y[0], want).item()
 
@@ -117,7 +127,7 @@ def test_a_kernel_whose_rows_depend_on_m_is_refused(monkeypatch):
     # exactly what would break MTP == classic.
     def native(x, *a, **kw):
         y = _reference_rows(x, *a, **kw)
-        return (y.astype(mx.float32) * (1 + 1e-2 * (x.shape[0] > 1))).astype(y.dtype)
+        return (y.astype(mx.float32) * (1 + 1e-2 * (_rows(x) > 1))).astype(y.dtype)
 
     _pretend_gpu(monkeypatch, native)
     x, w, s, b = _layer_inputs()
@@ -146,7 +156,7 @@ def test_linear_add_lets_the_product_add_the_residual(monkeypatch):
     calls = []
 
     def native(x, *a, **kw):
-        calls.append("residual" in kw)
+        calls.append(kw.get("residual") is not None)
         return _with_residual(_reference_rows)(x, *a, **kw)
 
     _pretend_gpu(monkeypatch, native)
@@ -258,7 +268,7 @@ def test_a_variant_that_fails_its_check_runs_as_separate_ops_around_the_product(
 
     def native(x, *a, norm_weight=None, **kw):  # forgets the norm
         if norm_weight is None:
-            plain_calls.append(x.shape[0])
+            plain_calls.append(_rows(x))
         return _stub_variants(_reference_rows)(x, *a, **kw)
 
     _pretend_gpu(monkeypatch, native)
@@ -417,7 +427,7 @@ def test_a_gated_kernel_that_ignores_the_gate_is_refused(monkeypatch):
 
     def native(x, *a, gate=None, **kw):  # forgets the gate
         if gate is None:
-            plain.append(x.shape[0])
+            plain.append(_rows(x))
         return _stub_variants(_reference_rows)(x, *a, **kw)
 
     _pretend_gpu(monkeypatch, native)
@@ -462,7 +472,7 @@ def test_every_gated_delta_out_projection_takes_its_norm_in_its_launch(monkeypat
     calls = []
 
     def native(x, *a, **kw):
-        calls.append((x.shape[0], kw.get("gate") is not None))
+        calls.append((_rows(x), kw.get("gate") is not None))
         return _stub_variants(_reference_rows)(x, *a, **kw)
 
     _pretend_gpu(monkeypatch, native)
@@ -499,6 +509,42 @@ def test_cuda_kernel_matches_reference_and_rows_are_bitwise_m_invariant(bits, gs
         part = qm.quantized_matmul_native(x[:m], w, s, b, **kw)
         assert part.shape == (m, 72) and part.dtype == dtype
         assert mx.array_equal(part, full[:m]).item(), f"M={m}"
+
+
+@cuda
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_cuda_kernel_takes_its_rows_in_any_leading_axes_bitwise(bits):
+    """x [B, T, K] (as the model passes it, without a reshape) and the options with
+    the same leading axes give the bits of the same rows as [B * T, K], for every variant the
+    model launches (plain, residual, norm, norm + swiglu, a norm begun or finished, gated),
+    in the outputs' [B, T, ...] shape."""
+    dtype, kw = mx.bfloat16, {"group_size": 64, "bits": bits}
+    x, w, s, b = _layer_inputs(n=144, k=2048, bits=bits, dtype=dtype, seed=61)
+    r = (mx.random.normal((8, 144), key=mx.random.key(62)) * 2).astype(dtype)
+    src = (mx.random.normal((8, 2048 + 24), key=mx.random.key(63)) * 2).astype(dtype)
+    gw = mx.random.uniform(0.5, 1.5, (16 * 32 // bits,), key=mx.random.key(64)).astype(dtype)
+    nw, sums = _norm_weight(2048), qm.tile_sums(x)
+    variants = {
+        "plain": lambda rows: {},
+        "residual": lambda rows: {"residual": rows(r)},
+        "norm": lambda rows: {"norm_weight": nw},
+        "norm swiglu": lambda rows: {"norm_weight": nw, "swiglu": True},
+        "sums": lambda rows: {"x_sums": rows(sums)},
+        "emits": lambda rows: {"residual": rows(r), "next_norm": nw[:144]},
+        "gated": lambda rows: {"residual": rows(r), "gate": qm.Gate(rows(src), 8, gw, 1e-6)},
+    }
+    for name, opts in variants.items():
+        for lead in ((1, 3), (3, 1), (2, 4), (1, 1, 8)):
+            m = math.prod(lead)
+            flat = qm.quantized_matmul_native(x[:m], w, s, b, **kw, **opts(lambda a, m=m: a[:m]))
+            got = qm.quantized_matmul_native(
+                x[:m].reshape(*lead, -1), w, s, b, **kw,
+                **opts(lambda a, m=m, lead=lead: a[:m].reshape(*lead, -1)),
+            )  # fmt: skip
+            flat, got = (flat, got) if isinstance(got, tuple) else ((flat,), (got,))
+            for f, g in zip(flat, got, strict=True):
+                assert g.shape == (*lead, f.shape[-1]), (name, lead)
+                assert mx.array_equal(g.reshape(f.shape), f).item(), (name, lead)
 
 
 @cuda

@@ -204,8 +204,9 @@ _CUDA_TEMPLATE = """
     constexpr int STEPS = VPW / 4;              // mma k-steps per word
     constexpr int XW = VPW / 2;                 // x words (2 values each) per weight word
     using XT2 = decltype(qm_ints<BITS>(0u, 0, XT{}));
-    const int M = x_shape[0];
-    const int K = x_shape[1];
+    const int K = x_shape[x_ndim - 1];
+    int M = 1;  // x [..., K]: its leading axes are rows, so no reshape is needed around a call
+    for (int d = 0; d + 1 < x_ndim; ++d) M *= x_shape[d];
     const int N = w_shape[0];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -344,8 +345,9 @@ _CUDA_NORM = {
 _METAL_TEMPLATE = """
     constexpr int VPW = 32 / BITS;
     constexpr uint MASK = (1u << BITS) - 1u;
-    const int M = x_shape[0];
-    const int K = x_shape[1];
+    const int K = x_shape[x_ndim - 1];
+    int M = 1;  // x [..., K]: its leading axes are rows, so no reshape is needed around a call
+    for (int d = 0; d + 1 < x_ndim; ++d) M *= x_shape[d];
     const int N = w_shape[0];
     const int lane = thread_index_in_simdgroup;
     const int warp = simdgroup_index_in_threadgroup;
@@ -464,7 +466,7 @@ _GATE_STRETCH = """WARP_SYNC;  // the last stretch's x is read
         constexpr int D = 16 * VPW;  // a head: the stretch's values
         constexpr int NPT = D / 32;  // the standalone kernel's values a lane
         DEVICE const XT* y_m = x + (size_t)m * K + st * D + lane * NPT;
-        DEVICE const XT* z_m = z + (size_t)m * z_shape[1] + Z_OFF + st * D + lane * NPT;
+        DEVICE const XT* z_m = z + (size_t)m * z_shape[z_ndim - 1] + Z_OFF + st * D + lane * NPT;
         GATED_ROW
       }
       WARP_SYNC;  // and this stretch's written""".replace("GATED_ROW", gated_norm_row(
@@ -521,7 +523,7 @@ _CUDA_STORE_EMITS = """float sq[2] = {0.0f, 0.0f};  // x rows 2t, 2t + 1: this l
 # backends: ``kernels.spell``.)
 _SUMS_INIT = """    SHARED float row_ss[8];
     for (int m = warp; m < M; m += WARPS) {
-      const int P = x_sums_shape[1];
+      const int P = x_sums_shape[x_sums_ndim - 1];
       float s = 0.0f;
       for (int p = lane; p < P; p += 32) s = s + x_sums[(size_t)m * P + p];
       for (LANE_OFFSET off = 16; off > 0; off >>= 1) s = s + XOR_SHUFFLE(s, off);
@@ -722,16 +724,17 @@ def quantized_matmul_native(
     x_sums: mx.array | None = None, next_norm: mx.array | None = None, gate: Gate | None = None,
     warps: int = WARPS, min_blocks: int | None = None,
 ):  # fmt: skip
-    """The native kernel for x [M <= 8, K]: y [M, N] in x's dtype, or with ``next_norm`` the
-    tuple of ``quantized_matmul_ops`` (see there for the options; ``norm_weight``,
-    ``next_norm`` and ``residual`` in x's dtype, ``x_sums`` [M, K/16] float32, a gate's source
-    [M, >= offset + K] in x's dtype and its heads of 16 words' values); None where there is
-    none. ``warps`` and ``min_blocks`` (launch bounds, CUDA) are for benchmarks."""
+    """The native kernel for x [..., K] of M <= 8 rows (the leading axes): y [..., N] in x's
+    dtype, or with ``next_norm`` the tuple of ``quantized_matmul_ops`` (see there for the
+    options; ``norm_weight``, ``next_norm`` and ``residual`` in x's dtype, ``x_sums`` [..., K/16]
+    float32, a gate's source [..., >= offset + K] in x's dtype and its heads of 16 words'
+    values, each with x's rows); None where there is none. ``warps`` and ``min_blocks`` (launch
+    bounds, CUDA) are for benchmarks."""
     variant = _variant(norm_weight, eps, swiglu, residual, x_sums, next_norm, gate)
     kernel = _kernel(variant, warps, min_blocks)
     if kernel is None:
         return None
-    M, N = x.shape[0], w.shape[0]
+    lead, N = x.shape[:-1], w.shape[0]
     n_out, groups = launch_shape(N, swiglu)
     nw = norm_weight if norm_weight is not None else next_norm
     extra = [a for a in (nw, x_sums, residual) if a is not None]
@@ -749,7 +752,7 @@ def quantized_matmul_native(
         + ([("Z_OFF", gate.offset)] if gate is not None else []),
         grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(M, n_out)] + [(M, N), (M, groups)] * emits,
+        output_shapes=[(*lead, n_out)] + [(*lead, N), (*lead, groups)] * emits,
         output_dtypes=[x.dtype] + [x.dtype, mx.float32] * emits,
     )
     return tuple(out) if emits else out[0]
@@ -875,21 +878,12 @@ def _native(
         )  # fmt: skip
     ):
         return None
-    flat = {name: a.reshape(rows, a.shape[-1]) for name, a in
-            (("residual", residual), ("x_sums", x_sums)) if a is not None}  # fmt: skip
-    if gate is not None:
-        src = gate.source
-        flat["gate"] = Gate(src.reshape(rows, src.shape[-1]), gate.offset, gate.weight, gate.eps)
-    out = quantized_matmul_native(
-        x.reshape(rows, k), w, scales, biases, group_size=group_size, bits=bits,
-        norm_weight=norm_weight, eps=eps, swiglu=swiglu, next_norm=next_norm, **flat,
+    # The kernel takes x [..., K] and the options with x's leading axes as they are: a reshape
+    # is a graph node that MLX builds and encodes (530 of a 27B decode step's 1,281, counted).
+    return quantized_matmul_native(
+        x, w, scales, biases, group_size=group_size, bits=bits, norm_weight=norm_weight,
+        eps=eps, swiglu=swiglu, next_norm=next_norm, x_sums=x_sums, residual=residual, gate=gate,
     )  # fmt: skip
-    if out is None:
-        return None
-    lead = x.shape[:-1]
-    if next_norm is None:
-        return out.reshape(*lead, n_out)
-    return tuple(a.reshape(*lead, a.shape[-1]) for a in out)
 
 
 def quantized_matmul(
