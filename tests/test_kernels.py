@@ -3,6 +3,8 @@ run-time self-check that keeps a wrong native kernel from ever being used."""
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 import pytest
 
@@ -368,9 +370,10 @@ def test_cuda_folded_conv_equals_the_conv_kernel_then_the_raw_kernel():
     assert all(_bitwise(x, y) for x, y in zip(got, want, strict=True))
 
 
-def test_a_constant_input_is_made_once_per_weight():
+def test_a_constant_input_is_made_once_per_weight_and_goes_with_it():
     """``kernels.constant``: made and evaluated at first use, the same array after, a new one
-    for another weight or another way of making it; the entry keeps the weight alive."""
+    for another weight or another way of making it (a contiguous copy by default); the entry
+    does not keep the weight alive, and goes when the weight does."""
     calls = []
 
     def make(w):
@@ -382,6 +385,11 @@ def test_a_constant_input_is_made_once_per_weight():
     assert kernels.constant(w, "rows", make) is a and len(calls) == 1
     assert a.shape == (2, 3) and mx.array_equal(a.reshape(6), w).item()
     kernels.constant(other, "rows", make)
-    kernels.constant(w, "flat", lambda x: x)
     assert len(calls) == 2
-    assert kernels._constants[(id(w), "rows")][0] is w
+    flat = kernels.constant(w)
+    assert flat is kernels.constant(w) and mx.array_equal(flat, w).item()
+    key = (id(w), "rows")
+    assert kernels._constants[key][0]() is w
+    del w
+    gc.collect()
+    assert key not in kernels._constants and (id(other), "rows") in kernels._constants

@@ -143,7 +143,7 @@ def conv_silu_native(x: mx.array, window: mx.array, weight: mx.array):
     K = weight.shape[1]
     return tuple(
         kernel(
-            inputs=[x, window, constant(weight, "contiguous", mx.contiguous)],
+            inputs=[x, window, constant(weight)],
             template=[("InT", x.dtype), ("K", K)],
             grid=(-(-C // _THREADS) * _THREADS, B, 1),
             threadgroup=(_THREADS, 1, 1),

@@ -322,15 +322,7 @@ def decode_attention_native(q, k, v, gate, q_norm, k_norm, eps, keys, values, ro
     shapes = launch_shapes(B, T, Hq, Hkv, N, D)
     f32, dt = mx.float32, q.dtype
     part_m, part_l, part_acc, k_out = partial(
-        inputs=[
-            q,
-            k,
-            v,
-            constant(q_norm, "contiguous", mx.contiguous),
-            constant(k_norm, "contiguous", mx.contiguous),
-            keys,
-            values,
-        ],
+        inputs=[q, k, v, constant(q_norm), constant(k_norm), keys, values],
         template=[("InT", dt), ("D", D), ("WARPS", _WARPS)],
         grid=shapes["partial_grid"],
         threadgroup=shapes["partial_threadgroup"],

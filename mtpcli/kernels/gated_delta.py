@@ -471,9 +471,8 @@ def gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state, *, keep_states=
     kernel = _kernel(_keeps(q, keep_states), raw=True)
     if kernel is None:
         return None
-    inputs = [q, k, v, a.astype(q.dtype), b.astype(q.dtype),
-              constant(A_log, "contiguous", mx.contiguous),
-              constant(dt_bias, "contiguous", mx.contiguous), state.astype(mx.float32)]  # fmt: skip
+    inputs = [q, k, v, a.astype(q.dtype), b.astype(q.dtype), constant(A_log), constant(dt_bias),
+              state.astype(mx.float32)]  # fmt: skip
     types = [("AT", A_log.dtype), ("DT", dt_bias.dtype)]  # in the name: they type the signature
     out = _launch(kernel, inputs, _dims(q, v), q.dtype, _keeps(q, keep_states), types)
     return _with_states(out, keep_states)
@@ -522,9 +521,7 @@ def gated_delta_conv_native(qkv, window, conv_w, a, b, A_log, dt_bias, state, he
     K = conv_w.shape[1]
     inputs = [qkv, window, constant(conv_w, f"rows {NC}x{K}",
                                     lambda w: mx.contiguous(w.reshape(NC, K))),
-              a.astype(qkv.dtype), b.astype(qkv.dtype),
-              constant(A_log, "contiguous", mx.contiguous),
-              constant(dt_bias, "contiguous", mx.contiguous),
+              a.astype(qkv.dtype), b.astype(qkv.dtype), constant(A_log), constant(dt_bias),
               state.astype(mx.float32)]  # fmt: skip
     # in the name: they type the signature
     types = [("AT", A_log.dtype), ("DT", dt_bias.dtype), ("WT", conv_w.dtype)]

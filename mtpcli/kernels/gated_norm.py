@@ -119,7 +119,7 @@ def gated_norm_native(y: mx.array, z: mx.array, weight: mx.array, eps: float):
     B, S, H, D = y.shape
     rows = B * S * H
     return kernel(
-        inputs=[y, z, constant(weight, "contiguous", mx.contiguous)],
+        inputs=[y, z, constant(weight)],
         template=[("InT", y.dtype), ("D", D), ("WARPS", _WARPS)],
         grid=(32 * _WARPS * -(-rows // _WARPS), 1, 1),
         threadgroup=(32 * _WARPS, 1, 1),
