@@ -264,8 +264,10 @@ def run(
     )
     # Metal's address space of a thread's own arrays, for the header's and kernel's text only
     # (std::thread follows).
+    # Each input's ndim, as MLX passes ``{name}_ndim`` where the source reads it.
+    ndims = "".join(f"const int {n}_ndim = {a.ndim};\n" for n, a in zip(names, arrays, strict=True))
     code = (_PRELUDE + "#define thread\n" + header
-            + f"static void kernel({', '.join(params)}) {{\n{source}\n}}\n#undef thread\n"
+            + f"static void kernel({', '.join(params)}) {{\n{ndims}{source}\n}}\n#undef thread\n"
             + _LAUNCH.replace("ARGS", ", ".join(args)))  # fmt: skip
     lib = _build(code)
     strides = [np.array([s // a.itemsize for s in a.strides], dtype=np.int64) for a in arrays]

@@ -6,6 +6,7 @@ cover input-dtype rounding and codegen."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import cuda_emulation  # tests/cuda_emulation.py
 import mlx.core as mx
@@ -228,7 +229,8 @@ def test_emulated_metal_convolution_matches_the_reference():
 
 
 def _outputs(variant: qm.Variant, m: int, n: int) -> dict:
-    """The emulated launch's outputs: y, and where the variant begins a norm y_w and y_sums."""
+    """The emulated launch's outputs for m rows (x's leading axes, flattened here): y, and
+    where the variant begins a norm y_w and y_sums."""
     n_out, groups = qm.launch_shape(n, variant.swiglu)
     return {"y": (m, n_out)} | ({"y_w": (m, n), "y_sums": (m, groups)} if variant.emits else {})
 
@@ -250,7 +252,7 @@ def _metal_qmm(x: np.ndarray, w, scales, biases, group_size: int, bits: int,
     out = cuda_emulation.run(
         source or qm.source(True, variant),
         {"x": x, "w": w, "scales": scales, "biases": biases} | extra,
-        _outputs(variant, x.shape[0], n),
+        _outputs(variant, math.prod(x.shape[:-1]), n),
         {"XT": "float", "ST": "float", "BITS": bits, "GS": group_size, "WARPS": qm.WARPS}
         | ({"Z_OFF": gate[1]} if gate is not None else {}),
         grid=(32 * qm.WARPS * groups, 1, 1),
@@ -276,6 +278,9 @@ def test_emulated_metal_quantized_matmul_matches_the_reference(bits, group_size)
                                    bits=bits)  # fmt: skip
     np.testing.assert_allclose(got[8], np.array(want), rtol=1e-4, atol=1e-4)
     assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
+    # Rows in leading axes, as the model passes x [B, T, K]: the same rows' bits.
+    lead = _metal_qmm(x[:6].reshape(2, 3, k), *arrays, group_size, bits)
+    assert np.array_equal(lead, got[8][:6])
 
 
 def _bits16(a: mx.array) -> np.ndarray:
@@ -296,6 +301,9 @@ def test_emulated_cuda_quantized_matmul_matches_the_reference(bits, group_size):
     got = {m: _cuda_qmm(x[:m], w, scales, biases, group_size, bits) for m in (1, 3, 8)}
     np.testing.assert_allclose(got[8], want, rtol=2**-7, atol=1e-3)  # bf16 outputs
     assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
+    # Rows in leading axes, as the model passes x [B, T, K]: the same rows' bits.
+    lead = _cuda_qmm(x[:6].reshape(2, 3, k), w, scales, biases, group_size, bits)
+    assert np.array_equal(lead, got[8][:6])
 
 
 def _as_dequantized(x, w, scales, biases, group_size, bits) -> np.ndarray:
@@ -328,7 +336,7 @@ def _cuda_qmm(x, w, scales, biases, group_size, bits, warps=qm.WARPS, residual=N
         source or qm.source(False, variant),
         {"x": _bits16(x), "w": np.array(w), "scales": _bits16(scales), "biases": _bits16(biases)}
         | extra,
-        _outputs(variant, x.shape[0], n),
+        _outputs(variant, math.prod(x.shape[:-1]), n),
         {"XT": "__nv_bfloat16", "ST": "__nv_bfloat16", "BITS": bits, "GS": group_size,
          "WARPS": warps} | ({"Z_OFF": gate.offset} if gate is not None else {}),
         grid=(32 * warps * groups, 1, 1),
@@ -697,7 +705,7 @@ def test_emulated_cuda_gated_product_is_the_gated_norm_kernel_then_the_product(b
 
 BROKEN_GATES = [  # a mistake spliced into the gated variant's CUDA source
     ("off < 32; off <<= 1) ss = ss + __shfl", "off < 16; off <<= 1) ss = ss + __shfl"),  # half
-    ("z_shape[1] + Z_OFF", "z_shape[1]"),  # z from the source's first columns
+    ("z_shape[z_ndim - 1] + Z_OFF", "z_shape[z_ndim - 1]"),  # z from the source's first columns
     ("gate_w[lane * NPT + i]", "gate_w[i]"),  # the weight of the lane's first values
     ("(1.0f + expf(-gz))", "(1.0f + expf(gz))"),  # the wrong gate
     ("(warp * 8 + g) * 16 * VPW", "(warp * 8) * 16 * VPW"),  # every row multiplies row 0
