@@ -35,8 +35,8 @@ def _wrap(source: str, header: str, inputs: dict, outputs: dict, constants: dict
     params = []
     for name, ctype in inputs.items():
         params.append(f"const {ctype}* {name}")
-        for kind, cls in (("shape", "Shape"), ("strides", "Strides")):
-            if f"{name}_{kind}" in source:
+        for kind, cls in (("shape", "Shape"), ("strides", "Strides"), ("ndim", "int")):
+            if f"{name}_{kind}" in source:  # as MLX declares what the source reads
                 params.append(f"const __grid_constant__ {cls} {name}_{kind}")
     params += [f"{ctype}* {name}" for name, ctype in outputs.items()]
     body = "".join(
