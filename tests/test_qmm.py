@@ -4,7 +4,9 @@ kernel itself against MLX's reference, row by row."""
 
 from __future__ import annotations
 
+import io
 import math
+import re
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -150,6 +152,26 @@ def _linear(w, s, b) -> nn.QuantizedLinear:
     layer.weight, layer.scales, layer.biases = w, s, b
     qm.install(layer)
     return layer
+
+
+def test_the_product_adds_no_graph_nodes_around_its_launch(monkeypatch):
+    """x [1, 3, K] and its residual go to the native launch as they are: the graph is the
+    launch's node and nothing else (MLX builds and encodes every node, a reshape included;
+    b2c47b9 took 530 of them off a 27B decode step)."""
+
+    def native(x, w, scales, biases, *, group_size, bits, residual=None, **_):
+        y = mx.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+        return y if residual is None else mx.add(residual, y)
+
+    _pretend_gpu(monkeypatch, native)
+    x, w, s, b = _layer_inputs(m=3)
+    h = mx.random.normal((1, 3, 40), key=mx.random.key(5)).astype(mx.bfloat16)
+    layer = _linear(w, s, b)
+    x3 = x.reshape(1, 3, -1)
+    mx.eval(x3, h, qm.linear_add(layer, x3, h))  # the self-checks, outside the count
+    dot = io.StringIO()
+    mx.export_to_dot(dot, qm.linear_add(layer, x3, h))
+    assert sorted(re.findall(r'label ="([^"]+)"', dot.getvalue())) == ["Add", "QuantizedMatmul"]
 
 
 def test_linear_add_lets_the_product_add_the_residual(monkeypatch):
