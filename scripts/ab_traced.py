@@ -139,6 +139,12 @@ def main() -> None:
     module, _, attr = args.flag.partition(":")
     if not module or not attr:
         raise SystemExit(f"--flag is module.path:ATTRIBUTE, got {args.flag!r}")
+    try:
+        found = hasattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        raise SystemExit(f"--flag: cannot import {module!r} ({e})") from None
+    if not found:
+        raise SystemExit(f"--flag: {module} has no attribute {attr!r}")
     res = run_ab(module, attr, args.shape, args.reps, args.n, args.tokens)
     for arm, counts in res["nodes"].items():
         print(arm, {part: c["total"] for part, c in counts.items()}, "nodes")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
 
 _SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -76,3 +77,15 @@ def test_nodes_counts_an_unevaluated_graph_by_primitive(monkeypatch):
     b = (a * 2).reshape(2, 1)
     mx.eval(b)
     assert sum(ab.nodes([b]).values()) == 0  # evaluated: no graph left
+
+
+def test_a_bad_flag_is_a_named_exit(monkeypatch):
+    ab = _load(monkeypatch)
+    for flag, says in (
+        ("nocolon", "module.path:ATTRIBUTE"),
+        ("no_such_module_x:A", "cannot import"),
+        ("mtpcli.kernels.quantized_matmul:NO_SUCH", "has no attribute"),
+    ):
+        monkeypatch.setattr(sys, "argv", ["ab_traced.py", "--flag", flag])
+        with pytest.raises(SystemExit, match=says):
+            ab.main()
