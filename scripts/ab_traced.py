@@ -123,7 +123,7 @@ def summary(runs: list[dict]) -> dict:
     paired = {}
     for k in medians["on"]:
         ratios = [by_arm["on"][r][k] / by_arm["off"][r][k] for r in reps]
-        paired[k] = spread(ratios) | {"below_1": sum(x < 1 for x in ratios), "n": len(ratios)}
+        paired[k] = spread(ratios, count=True) | {"below_1": sum(x < 1 for x in ratios)}
     return {"medians": medians, "on_over_off": paired}
 
 
