@@ -158,11 +158,13 @@ def test_launch_bounds_cap_the_products_registers(tmp_path, bits):
     assert used * 32 * qm.WARPS * 5 <= 65536, used
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["view", "in_place"])
 @pytest.mark.parametrize("dtype", [BF16, HALF, F32])
-def test_gated_norm_kernel_compiles_without_spills(tmp_path, dtype):
+def test_gated_norm_kernel_compiles_without_spills(tmp_path, dtype, in_place):
     types = {"y": dtype, "z": dtype, "weight": dtype}
     constants = {"InT": dtype, "D": 128, "WARPS": gn._WARPS}
-    code = _wrap(gn._source(False, 1e-6), "", types, {"out": dtype}, constants)
+    constants |= {"Z_OFF": 10240} if in_place else {}
+    code = _wrap(gn._source(False, 1e-6, in_place), "", types, {"out": dtype}, constants)
     report = _compile(tmp_path, code)
     assert _no_spills(report), report
 

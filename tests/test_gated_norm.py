@@ -24,35 +24,41 @@ def fresh_verdicts():
     kernels.reset_verdicts()
 
 
-def _inputs(dtype=mx.bfloat16, B=2, S=3, H=5, D=128, seed=0):
+def _inputs(dtype=mx.bfloat16, B=2, S=3, H=5, D=128, seed=0, whole=False):
     """y [B, S, H, D]; z the same shape, a strided view into a wider array (as the layer's
-    fused input projection gives it); the norm's weight [D]."""
+    fused input projection gives it; with ``whole``, that array [B, S, H * D + 64] too, the
+    gate at column 32); the norm's weight [D]."""
     ky, kz, kw = mx.random.split(mx.random.key(seed), 3)
     y = (mx.random.normal((B, S, H, D), key=ky) * 2).astype(dtype)
-    whole = (mx.random.normal((B, S, H * D + 64), key=kz) * 3).astype(dtype)
-    z = whole[..., 32 : 32 + H * D].reshape(B, S, H, D)
+    source = (mx.random.normal((B, S, H * D + 64), key=kz) * 3).astype(dtype)
+    z = source[..., 32 : 32 + H * D].reshape(B, S, H, D)
     w = mx.random.uniform(0.5, 1.5, (D,), key=kw).astype(dtype)
-    return y, z, w
+    return (y, z, w, source) if whole else (y, z, w)
 
 
 def _bits16(a: mx.array) -> np.ndarray:
     return np.array(a.view(mx.uint16))
 
 
-def _emulated(y, z, w, metal: bool = False, source: str | None = None) -> np.ndarray:
-    """The kernel run in emulation on bf16 inputs (CUDA) or their float32 values (Metal)."""
+def _emulated(y, z, w, metal: bool = False, source: str | None = None,
+              z_at: int | None = None) -> np.ndarray:  # fmt: skip
+    """The kernel run in emulation on bf16 inputs (CUDA) or their float32 values (Metal); with
+    ``z_at``, the in-place variant, z the source [B, S, W] of the gate at that column."""
     B, S, H, D = y.shape
     rows = B * S * H
+    place = _strided_like if z_at is None else (lambda _, values: values)
     if metal:
         arrays = {k: np.array(a.astype(mx.float32)) for k, a in (("y", y), ("z", z), ("weight", w))}
-        arrays["z"] = _strided_like(z, arrays["z"])
+        arrays["z"] = place(z, arrays["z"])
         constants, types = {"InT": "float"}, None
     else:
-        arrays = {"y": _bits16(y), "z": _strided_like(z, _bits16(z)), "weight": _bits16(w)}
+        arrays = {"y": _bits16(y), "z": place(z, _bits16(z)), "weight": _bits16(w)}
         constants = {"InT": "__nv_bfloat16"}
         types = {"y": "InT", "z": "InT", "weight": "InT"}
+    if z_at is not None:
+        constants |= {"Z_OFF": z_at}
     return cuda_emulation.run(
-        source or gn._source(metal, EPS),
+        source or gn._source(metal, EPS, z_at is not None),
         arrays,
         {"out": (B, S, H, D)},
         constants | {"D": D, "WARPS": gn._WARPS},
@@ -107,6 +113,60 @@ def test_emulation_catches_a_broken_kernel(mistake):
     assert not np.allclose(bad, good, rtol=1e-2, atol=1e-2)
 
 
+@emulated
+@pytest.mark.parametrize("metal", [False, True], ids=["cuda", "metal"])
+def test_emulated_in_place_variant_is_the_view_variant_bitwise(metal):
+    """The gate read in place from the fused projection's output (column 32 of [B, S, W]) gives
+    the bits of the same gate read through its view; a block's rows those of one position."""
+    y, z, w, source = _inputs(S=3, H=7, whole=True)
+    want = _emulated(y, z, w, metal)
+    got = _emulated(y, source, w, metal, z_at=32)
+    assert np.array_equal(got, want)
+    alone = _emulated(y[:, 1:2], source[:, 1:2], w, metal, z_at=32)
+    assert np.array_equal(alone, got[:, 1:2])
+    text = gn._source(metal, EPS, True)
+    assert text.count("(Z_OFF + h * D") == 1
+    bad = _emulated(y, source, w, metal, text.replace("(Z_OFF + h * D", "(h * D"), z_at=32)
+    assert not np.allclose(bad, want, rtol=1e-2, atol=1e-2)  # the gate from the wrong columns
+
+
+def test_in_place_on_the_reference_path_is_the_norm_of_the_view():
+    """Where no kernel runs (here, the CPU), ``gated_norm_in_place`` is mlx-lm's ops on the
+    gate's view, [B, S, H * D]; a gate that is the whole source takes no slice."""
+    y, z, w, source = _inputs(whole=True)
+    want = gn.gated_norm_ops(y, z, w, EPS).reshape(2, 3, -1)
+    assert mx.array_equal(gn.gated_norm_in_place(y, source, 32, w, EPS), want).item()
+    exact = source[..., 32 : 32 + 5 * 128]
+    assert mx.array_equal(gn.gated_norm_in_place(y, exact, 0, w, EPS), want).item()
+
+
+def test_in_place_kernel_gets_the_source_itself_and_a_wrong_one_is_refused(pretend_gpu):
+    """On a GPU the in-place kernel is handed the fused projection's output itself and the
+    gate's column (nothing sliced or reshaped first); a wrong in-place kernel is refused with a
+    warning and the gate's view goes to ``gated_norm`` instead, same values."""
+    calls = []
+
+    def native(y, z, w, eps, z_at=None, scale=1.0):
+        calls.append((z, z_at))
+        if z_at is None:
+            return gn.gated_norm_ops(y, z, w, eps)
+        view = z[..., z_at : z_at + y.shape[-2] * y.shape[-1]].reshape(y.shape)
+        return gn.gated_norm_ops(y, view, w, eps).reshape(*y.shape[:-2], -1) * scale
+
+    y, z, w, source = _inputs(whole=True)
+    want = gn.gated_norm_ops(y, z, w, EPS).reshape(2, 3, -1)
+    pretend_gpu(gn, "gated_norm_native", native)
+    out = gn.gated_norm_in_place(y, source, 32, w, EPS)
+    assert calls[-1][0] is source and calls[-1][1] == 32
+    assert mx.array_equal(out, want).item()
+    kernels.reset_verdicts()
+    pretend_gpu(gn, "gated_norm_native", lambda *a, **k: native(*a, **k, scale=1.5))
+    with pytest.warns(RuntimeWarning, match="gated_norm_in_place kernel disagrees"):
+        out = gn.gated_norm_in_place(y, source, 32, w, EPS)
+    assert calls[-1][1] is None  # the view kernel, which passed its own check
+    assert mx.array_equal(out, want).item()
+
+
 def test_both_spellings_are_one_text():
     """The Metal kernel mirrors the CUDA kernel line by line (only the spelled tokens differ)."""
     cuda_lines = gn._source(False, EPS).splitlines()
@@ -155,7 +215,7 @@ def test_the_model_runs_the_layer_norm_through_it(monkeypatch, tiny_mixer):
     m, x, conv_state, state, want = tiny_mixer
     got = tm._gated_delta(m, x, lambda h: h, conv_state, state, keep=False)[0]
     assert mx.allclose(got, want, atol=1e-5).item()
-    monkeypatch.setattr(qm, "gated_norm", lambda *args: gn.gated_norm_ops(*args) * 1.01)
+    monkeypatch.setattr(qm, "gated_norm_in_place", lambda *a: gn.gated_norm_in_place(*a) * 1.01)
     broken = tm._gated_delta(m, x, lambda h: h, conv_state, state, keep=False)[0]
     assert not mx.allclose(broken, want, atol=1e-5).item()
 
@@ -171,3 +231,13 @@ def test_cuda_kernel_matches_the_reference_and_rows_do_not_depend_on_the_block(d
     for t in range(4):
         alone = gn.gated_norm_native(y[:, t : t + 1], z[:, t : t + 1], w, EPS)
         assert mx.array_equal(alone, got[:, t : t + 1]).item(), f"position {t}"
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_cuda_in_place_variant_is_the_view_variant_bitwise(dtype):
+    assert gn._self_check(dtype, dtype, 128, EPS, in_place=True) is None
+    y, z, w, source = _inputs(dtype, S=4, H=48, whole=True)
+    got = gn.gated_norm_native(y, source, w, EPS, z_at=32)
+    assert got.shape == (2, 4, 48 * 128)
+    assert mx.array_equal(got, gn.gated_norm_native(y, z, w, EPS).reshape(got.shape)).item()

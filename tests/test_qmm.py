@@ -417,7 +417,8 @@ def _gate(m=3, k=1024, bits=4, offset=8, dtype=mx.bfloat16) -> qm.Gate:
 def test_the_gated_norm_rides_in_the_out_projections_launch(monkeypatch):
     """``linear_add`` with a gate (FUSE_GATE on): one launch takes y, z's source and the norm's
     weight, and gives the residual plus the product of mlx-lm's gated norm. With FUSE_GATE off
-    (the default) the norm runs in its own launch (``gated_norm``) first, the same values."""
+    (the default) the norm runs in its own launch (``gated_norm_in_place``) first, the same
+    values."""
     calls = []
     monkeypatch.setattr(qm, "FUSE_GATE", True)
 
@@ -435,7 +436,8 @@ def test_the_gated_norm_rides_in_the_out_projections_launch(monkeypatch):
     want = h + _reference_rows(normed, w, s, b, group_size=64, bits=4)
     assert mx.array_equal(y, want).item()
     applied = []
-    monkeypatch.setattr(qm, "gated_norm", lambda *a: applied.append(1) or gn.gated_norm_ops(*a))
+    monkeypatch.setattr(qm, "gated_norm_in_place",
+                        lambda *a: applied.append(1) or gn.gated_norm_in_place(*a))  # fmt: skip
     monkeypatch.setattr(qm, "FUSE_GATE", False)
     assert mx.array_equal(qm.linear_add(layer, x.reshape(3, 8, 128), h, gate=gate), want).item()
     assert calls[-1] is None and applied == [1]

@@ -68,11 +68,25 @@ _TEMPLATE = """
       const int b = row / (H * S);
       DEVICE const InT* y_ = y + b * y_strides[0] + s * y_strides[1] + h * y_strides[2]
           + lane * NPT * y_strides[3];
-      DEVICE const InT* z_ = z + b * z_strides[0] + s * z_strides[1] + h * z_strides[2]
-          + lane * NPT * z_strides[3];
+      Z_ROW
       ROW
     }
 """
+# Where a row's gate values are: z [B, S, H, D] (a view) through its strides, or, "in place",
+# z the fused input projection's output [B, S, W] with the gate at columns Z_OFF + h * D: no
+# slice and no reshape in the graph before the launch.
+_Z_ROWS = {
+    False: (
+        """DEVICE const InT* z_ = z + b * z_strides[0] + s * z_strides[1] + h * z_strides[2]
+          + lane * NPT * z_strides[3];""",
+        "z_[i * z_strides[3]]",
+    ),
+    True: (
+        """DEVICE const InT* z_ = z + b * z_strides[0] + s * z_strides[1]
+          + (Z_OFF + h * D + lane * NPT) * z_strides[2];""",
+        "z_[i * z_strides[2]]",
+    ),
+}
 _THREAD_INDICES = {
     False: """const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);""",
@@ -83,17 +97,18 @@ _WARPS = 4  # rows a threadgroup
 _kernels: dict = {}
 
 
-def _source(metal: bool, eps: float) -> str:
-    text = _TEMPLATE.replace("THREAD_INDICES", _THREAD_INDICES[metal]).replace("ROW", row(
-        "y_[i * y_strides[3]]", "z_[i * z_strides[3]]", "weight[lane * NPT + i]",
-        "out[(size_t)row * D + lane * NPT + i]", "InT"))  # fmt: skip
+def _source(metal: bool, eps: float, in_place: bool = False) -> str:
+    z_row, z_i = _Z_ROWS[in_place]
+    text = _TEMPLATE.replace("THREAD_INDICES", _THREAD_INDICES[metal]).replace("Z_ROW", z_row)
+    text = text.replace("ROW", row("y_[i * y_strides[3]]", z_i, "weight[lane * NPT + i]",
+                                   "out[(size_t)row * D + lane * NPT + i]", "InT"))  # fmt: skip
     return spell(text.replace("NORM_EPS", f"{eps:.9e}f"), metal)
 
 
-def _spec(metal: bool, eps: float) -> dict:
-    source = _source(metal, eps)
+def _spec(metal: bool, eps: float, in_place: bool = False) -> dict:
+    source = _source(metal, eps, in_place)
     return {
-        "name": kernel_name("mtp_gated_norm", source),
+        "name": kernel_name("mtp_gated_norm" + "_in_place" * in_place, source),
         "input_names": ["y", "z", "weight"],
         "output_names": ["out"],
         "source": source,
@@ -101,43 +116,53 @@ def _spec(metal: bool, eps: float) -> dict:
     }
 
 
-def _kernel(eps: float):
+def _kernel(eps: float, in_place: bool = False):
     def cuda():
-        return mx.fast.cuda_kernel(**_spec(False, eps)) if available("cuda") else None
+        return mx.fast.cuda_kernel(**_spec(False, eps, in_place)) if available("cuda") else None
 
     def metal():
-        return mx.fast.metal_kernel(**_spec(True, eps)) if available("metal") else None
+        return mx.fast.metal_kernel(**_spec(True, eps, in_place)) if available("metal") else None
 
-    return built(_kernels, (eps,), cuda, metal)
+    return built(_kernels, (eps, in_place), cuda, metal)
 
 
-def gated_norm_native(y: mx.array, z: mx.array, weight: mx.array, eps: float):
-    """The native kernel (same contract as ``gated_norm_ops``); None where there is none."""
-    kernel = _kernel(eps)
+def gated_norm_native(y: mx.array, z: mx.array, weight: mx.array, eps: float,
+                      z_at: int | None = None):  # fmt: skip
+    """The native kernel (same contract as ``gated_norm_ops``); None where there is none. With
+    ``z_at`` (``gated_norm_in_place``'s contract) z is the source [B, S, W] of the gate at
+    columns [z_at, z_at + H * D), and the result comes as [B, S, H * D]."""
+    kernel = _kernel(eps, z_at is not None)
     if kernel is None:
         return None
     B, S, H, D = y.shape
     rows = B * S * H
     return kernel(
         inputs=[y, z, constant(weight)],
-        template=[("InT", y.dtype), ("D", D), ("WARPS", _WARPS)],
+        template=[("InT", y.dtype), ("D", D), ("WARPS", _WARPS)]
+        + ([("Z_OFF", z_at)] if z_at is not None else []),
         grid=(32 * _WARPS * -(-rows // _WARPS), 1, 1),
         threadgroup=(32 * _WARPS, 1, 1),
-        output_shapes=[(B, S, H, D)],
+        output_shapes=[(B, S, H, D) if z_at is None else (B, S, H * D)],
         output_dtypes=[y.dtype],
     )[0]
 
 
-def _self_check(dtype, wdtype, D: int, eps: float) -> str | None:
+def _self_check(dtype, wdtype, D: int, eps: float, in_place: bool = False) -> str | None:
     """Agreement with the reference, and a position's rows the same alone as in a block."""
     ky, kz, kw = mx.random.split(mx.random.key(2468), 3)
     y = (mx.random.normal((2, 3, 5, D), key=ky) * 2).astype(dtype)
     whole = mx.random.normal((2, 3, 5 * D + 32), key=kz).astype(dtype)
     z = whole[..., 16 : 16 + 5 * D].reshape(2, 3, 5, D)  # a strided view, as the model has it
     weight = mx.random.uniform(0.5, 1.5, (D,), key=kw).astype(wdtype)
+
+    def native(y, z, whole):
+        if not in_place:
+            return gated_norm_native(y, z, weight, eps)
+        return gated_norm_native(y, whole, weight, eps, z_at=16).reshape(y.shape)
+
     try:
-        got = gated_norm_native(y, z, weight, eps)
-        one = gated_norm_native(y[:, 1:2], z[:, 1:2], weight, eps)
+        got = native(y, z, whole)
+        one = native(y[:, 1:2], z[:, 1:2], whole[:, 1:2])
         want = gated_norm_ops(y, z, weight, eps)
         mx.eval(got, one, want)
     except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
@@ -151,23 +176,42 @@ def _self_check(dtype, wdtype, D: int, eps: float) -> str | None:
     return None
 
 
-def gated_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx.array:
-    """The gated norm on the best trusted path (see ``gated_norm_ops`` for shapes)."""
+def _trusted(y: mx.array, z: mx.array, weight: mx.array, eps: float, in_place: bool) -> bool:
     D = y.shape[-1]
-    if (
+    return (
         backend() != "cpu"
         and y.ndim == 4
-        and z.shape == y.shape
         and z.dtype == y.dtype
         and D % 32 == 0
         and D <= 1024
         and use_native(
-            "gated_norm",
+            "gated_norm" + "_in_place" * in_place,
             (backend(), str(y.dtype), str(weight.dtype), D, eps),
-            lambda: _self_check(y.dtype, weight.dtype, D, eps),
+            lambda: _self_check(y.dtype, weight.dtype, D, eps, in_place),
         )
-    ):
+    )
+
+
+def gated_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """The gated norm on the best trusted path (see ``gated_norm_ops`` for shapes)."""
+    if z.shape == y.shape and _trusted(y, z, weight, eps, False):
         out = gated_norm_native(y, z, weight, eps)
         if out is not None:
             return out
     return gated_norm_ops(y, z, weight, eps)
+
+
+def gated_norm_in_place(y: mx.array, source: mx.array, offset: int, weight: mx.array,
+                        eps: float) -> mx.array:  # fmt: skip
+    """The gated norm of y [B, S, H, D] whose gate is the columns [offset, offset + H * D) of
+    ``source`` [B, S, W] (the layer's fused input projection), as [B, S, H * D]: where the
+    native kernel runs, it reads the gate in place, so the graph has no slice or reshape around
+    the launch (three nodes a layer fewer); elsewhere ``gated_norm`` on the gate's view."""
+    k = y.shape[-2] * y.shape[-1]
+    if (source.shape[:-1] == y.shape[:-2] and 0 <= offset <= source.shape[-1] - k
+            and _trusted(y, source, weight, eps, True)):  # fmt: skip
+        out = gated_norm_native(y, source, weight, eps, z_at=offset)
+        if out is not None:
+            return out
+    z = source if (offset, k) == (0, source.shape[-1]) else source[..., offset : offset + k]
+    return gated_norm(y, z.reshape(y.shape), weight, eps).reshape(*y.shape[:-2], k)

@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu as _swiglu
 
 from . import available, backend, built, changed, kernel_name, launch_bounds, spell, use_native
-from .gated_norm import gated_norm, gated_norm_ops
+from .gated_norm import gated_norm_in_place, gated_norm_ops
 from .gated_norm import row as gated_norm_row
 
 MAX_ROWS = 8  # the mma's n dimension
@@ -47,16 +47,20 @@ class Gate:
     eps: float
 
     def apply(self, y: mx.array, norm: Callable | None = None) -> mx.array:
-        """y [..., H, D] normed and gated, [..., H, D], by ``norm`` (default ``gated_norm``)."""
+        """y [..., H, D] normed and gated, as [..., H * D]: by ``gated_norm_in_place`` (the gate
+        read from the source in place), or by ``norm`` (a ``gated_norm_ops``-like function of
+        y and the gate's view [..., H, D]: the reference, a kernel under test)."""
+        if norm is None:
+            return gated_norm_in_place(y, self.source, self.offset, self.weight, self.eps)
         k, z = y.shape[-2] * y.shape[-1], self.source
         if (self.offset, k) != (0, z.shape[-1]):  # a view of the fused projection's outputs
             z = z[..., self.offset : self.offset + k]
-        return (norm or gated_norm)(y, z.reshape(y.shape), self.weight, self.eps)
+        return norm(y, z.reshape(y.shape), self.weight, self.eps).reshape(*y.shape[:-2], k)
 
     def apply_flat(self, x: mx.array, norm: Callable | None = None) -> mx.array:
         """``apply`` to x [..., K] (heads side by side), [..., K]."""
         heads = (*x.shape[:-1], x.shape[-1] // self.weight.shape[-1], self.weight.shape[-1])
-        return self.apply(x.reshape(heads), norm).reshape(x.shape)
+        return self.apply(x.reshape(heads), norm)
 
 
 def quantized_matmul_ops(
@@ -951,10 +955,11 @@ def linear_add(
     With ``gate``, x is a gated-delta layer's output y [..., H, D], normed by ``gate`` first:
     in the product's launch (``FUSE_GATE``) where it can, else in the norm's own."""
     ours = FUSE_RESIDUAL and type(layer) is KernelQuantizedLinear and "bias" not in layer
-    if gate is not None:
-        if not (ours and FUSE_GATE):
+    if gate is not None:  # x [..., H, D] -> [..., H * D], normed unless the product norms it
+        if ours and FUSE_GATE:
+            x = x.reshape(*x.shape[:-2], -1)
+        else:
             x, gate = gate.apply(x), None
-        x = x.reshape(*x.shape[:-2], -1)  # [..., H * D]
     if not ours:
         return residual + layer(x)
     opts = {"group_size": layer.group_size, "bits": layer.bits, "residual": residual,
