@@ -102,19 +102,11 @@ def device_read_bandwidth(repeats: int) -> dict:
 
 def arms(names: list[str]) -> dict:
     """``W`` -> our kernel with W split-K warps; ``WxB`` -> the same with launch bounds that
-    fit B blocks on a multiprocessor (ptxas caps its registers); ``mlx`` -> MLX's product;
-    ``grp`` (``grpxB``) -> ``qmm_experiments.grouped_matmul`` (with those launch bounds)."""
+    fit B blocks on a multiprocessor (ptxas caps its registers); ``mlx`` -> MLX's product."""
     out = {}
     for name in names:
         if name == "mlx":
             out[name] = qm.quantized_matmul_ops
-            continue
-        if name.startswith("grp"):  # scripts/qmm_experiments.py's kernel, 8 warps
-            import qmm_experiments  # the scripts directory (sys.path[0] when run)
-
-            blocks = name.partition("x")[2]
-            out[name] = partial(qmm_experiments.grouped_matmul,
-                                min_blocks=int(blocks) if blocks else None)  # fmt: skip
             continue
         warps, _, blocks = name.partition("x")
         out[name] = partial(qm.quantized_matmul_native, warps=int(warps),
@@ -302,7 +294,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--name", default=None)
     ap.add_argument("--arms", nargs="+", default=[str(qm.WARPS), "mlx"],
-                    help="W (ours), WxB (bounds for B blocks), mlx, grp[xB]")  # fmt: skip
+                    help="W (ours, W warps), WxB (launch bounds for B blocks), mlx")  # fmt: skip
     ap.add_argument("--ms", type=int, nargs="+", default=list(range(1, 9)))
     ap.add_argument("--launches-only", action="store_true")
     ap.add_argument("--step", action="store_true", help="a decode step's fused products")

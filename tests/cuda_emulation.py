@@ -52,7 +52,6 @@ static float __shfl_xor_sync(unsigned, float v, int off) {  // every lane of the
 static inline void __syncwarp() { warp_wait(); }
 static inline void simdgroup_barrier(int) { warp_wait(); }
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-static inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 // One copy for the whole launch: threadgroup rows run one at a time, so a kernel whose warps
 // each keep to their own slice (indexed by threadIdx.y) sees its own shared memory.
 #define __shared__ static
