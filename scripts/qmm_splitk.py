@@ -97,14 +97,7 @@ def splitk_matmul(x, w, scales, biases, *, group_size: int, bits: int, ks: int =
     counter = ring[0][next(ring[1])]
     return kernel(
         inputs=[x, w, scales, biases, counter],
-        template=[
-            ("XT", x.dtype),
-            ("ST", scales.dtype),
-            ("BITS", bits),
-            ("GS", group_size),
-            ("WARPS", warps),
-            ("KS", ks),
-        ],  # fmt: skip
+        template=[*qm.template(x, scales, bits, group_size, warps), ("KS", ks)],
         grid=(32 * warps * tiles * ks, 1, 1),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[(*x.shape[:-1], n), (tiles * ks * 128,)],
