@@ -22,8 +22,6 @@ import mlx.core as mx
 from mtpcli.kernels import available, kernel_name, launch_bounds
 from mtpcli.kernels import quantized_matmul as qm
 
-_PLAIN = qm.source(False)
-
 
 def _split(text: str) -> str:
     """Our plain product's CUDA source with K split across KS blocks (see the module)."""
@@ -67,10 +65,11 @@ def _split(text: str) -> str:
     return text
 
 
-SOURCE = _split(_PLAIN)
+SOURCE = _split(qm.source(False))
 RING = 64  # counter buffers, one a launch in turn: more than the launches that run at once
 _kernels: dict = {}
-_counters: dict = {}
+_counters: dict = {}  # tiles -> RING counter buffers
+_turn = itertools.count()
 
 
 def splitk_matmul(x, w, scales, biases, *, group_size: int, bits: int, ks: int = 2,
@@ -89,12 +88,10 @@ def splitk_matmul(x, w, scales, biases, *, group_size: int, bits: int, ks: int =
             output_names=["y", "partials"], source=SOURCE, header=header)  # fmt: skip
     n = w.shape[0]
     tiles = (n + 15) // 16
-    ring = _counters.get(tiles)
-    if ring is None:
-        ring = [mx.zeros((tiles,), mx.uint32) for _ in range(RING)]
-        mx.eval(ring)
-        ring = _counters[tiles] = (ring, itertools.cycle(range(RING)))
-    counter = ring[0][next(ring[1])]
+    if tiles not in _counters:
+        _counters[tiles] = [mx.zeros((tiles,), mx.uint32) for _ in range(RING)]
+        mx.eval(_counters[tiles])
+    counter = _counters[tiles][next(_turn) % RING]
     return kernel(
         inputs=[x, w, scales, biases, counter],
         template=[*qm.template(x, scales, bits, group_size, warps), ("KS", ks)],

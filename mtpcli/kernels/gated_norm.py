@@ -9,6 +9,8 @@ equal its positions' one-row launches bitwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 from mlx_lm.models.activations import precise_swiglu
 
@@ -213,5 +215,13 @@ def gated_norm_in_place(y: mx.array, source: mx.array, offset: int, weight: mx.a
         out = gated_norm_native(y, source, weight, eps, z_at=offset)
         if out is not None:
             return out
+    return on_view(gated_norm, y, source, offset, weight, eps)
+
+
+def on_view(norm: Callable, y: mx.array, source: mx.array, offset: int, weight: mx.array,
+            eps: float) -> mx.array:  # fmt: skip
+    """``norm`` (``gated_norm``'s contract) of y [..., H, D] and the gate's view [..., H, D] of
+    ``source``'s columns [offset, offset + H * D), as [..., H * D]."""
+    k = y.shape[-2] * y.shape[-1]
     z = source if (offset, k) == (0, source.shape[-1]) else source[..., offset : offset + k]
-    return gated_norm(y, z.reshape(y.shape), weight, eps).reshape(*y.shape[:-2], k)
+    return norm(y, z.reshape(y.shape), weight, eps).reshape(*y.shape[:-2], k)

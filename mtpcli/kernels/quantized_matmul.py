@@ -26,6 +26,7 @@ from mlx_lm.models.activations import swiglu as _swiglu
 
 from . import available, backend, built, changed, kernel_name, launch_bounds, spell, use_native
 from .gated_norm import gated_norm_in_place, gated_norm_ops
+from .gated_norm import on_view as gated_norm_on_view
 from .gated_norm import row as gated_norm_row
 
 MAX_ROWS = 8  # the mma's n dimension
@@ -52,10 +53,7 @@ class Gate:
         y and the gate's view [..., H, D]: the reference, a kernel under test)."""
         if norm is None:
             return gated_norm_in_place(y, self.source, self.offset, self.weight, self.eps)
-        k, z = y.shape[-2] * y.shape[-1], self.source
-        if (self.offset, k) != (0, z.shape[-1]):  # a view of the fused projection's outputs
-            z = z[..., self.offset : self.offset + k]
-        return norm(y, z.reshape(y.shape), self.weight, self.eps).reshape(*y.shape[:-2], k)
+        return gated_norm_on_view(norm, y, self.source, self.offset, self.weight, self.eps)
 
     def apply_flat(self, x: mx.array, norm: Callable | None = None) -> mx.array:
         """``apply`` to x [..., K] (heads side by side), [..., K]."""
