@@ -30,7 +30,6 @@ import csv
 import json
 import os
 import platform
-import re
 import statistics
 import time
 from collections.abc import Iterator
@@ -103,22 +102,11 @@ def device_read_bandwidth(repeats: int) -> dict:
 
 def arms(names: list[str]) -> dict:
     """``W`` -> our kernel with W split-K warps; ``WxB`` -> the same with launch bounds that
-    fit B blocks on a multiprocessor (ptxas caps its registers); ``mlx`` -> MLX's product;
-    ``kKS[wW][bB]`` -> ``qmm_splitk.splitk_matmul``: K split across KS blocks of W warps (8 by
-    default), with launch bounds for B blocks."""
+    fit B blocks on a multiprocessor (ptxas caps its registers); ``mlx`` -> MLX's product."""
     out = {}
     for name in names:
         if name == "mlx":
             out[name] = qm.quantized_matmul_ops
-            continue
-        split = re.fullmatch(r"k(\d+)(?:w(\d+))?(?:b(\d+))?", name)
-        if split:  # scripts/qmm_splitk.py: K across KS blocks of W warps, bounds for B
-            import qmm_splitk  # the scripts directory (sys.path[0] when run)
-
-            ks, warps, blocks = split.groups()
-            out[name] = partial(qmm_splitk.splitk_matmul, ks=int(ks),
-                                warps=int(warps) if warps else qm.WARPS,
-                                min_blocks=int(blocks) if blocks else None)  # fmt: skip
             continue
         warps, _, blocks = name.partition("x")
         out[name] = partial(qm.quantized_matmul_native, warps=int(warps),
@@ -306,7 +294,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--name", default=None)
     ap.add_argument("--arms", nargs="+", default=[str(qm.WARPS), "mlx"],
-                    help="W (ours), WxB (bounds for B blocks), mlx, kKS[wW][bB]")  # fmt: skip
+                    help="W (ours, W warps), WxB (launch bounds for B blocks), mlx")  # fmt: skip
     ap.add_argument("--ms", type=int, nargs="+", default=list(range(1, 9)))
     ap.add_argument("--launches-only", action="store_true")
     ap.add_argument("--step", action="store_true", help="a decode step's fused products")

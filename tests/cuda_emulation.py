@@ -52,21 +52,6 @@ static float __shfl_xor_sync(unsigned, float v, int off) {  // every lane of the
 static inline void __syncwarp() { warp_wait(); }
 static inline void simdgroup_barrier(int) { warp_wait(); }
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-// Blocks run one after another here, so a fence has nothing to order.
-static inline void __threadfence() {}
-static inline unsigned int atomicAdd(unsigned int* p, unsigned int v) {
-  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
-}
-static inline float __ldcg(const float* p) { return *p; }
-static unsigned int __shfl_sync(unsigned, unsigned int v, int src) {  // every lane calls it
-  float f;
-  std::memcpy(&f, &v, 4);
-  row_->buf[threadIdx.x] = f;
-  warp_wait();
-  std::memcpy(&v, &row_->buf[(threadIdx.x & ~31) | (src & 31)], 4);
-  warp_wait();
-  return v;
-}
 // One copy for the whole launch: threadgroup rows run one at a time, so a kernel whose warps
 // each keep to their own slice (indexed by threadIdx.y) sees its own shared memory.
 #define __shared__ static

@@ -720,12 +720,6 @@ def _variant(norm_weight, eps: float, swiglu: bool, residual, x_sums, next_norm,
                    gate.eps if gate is not None else None)  # fmt: skip
 
 
-def template(x: mx.array, scales: mx.array, bits: int, group_size: int, warps: int) -> list:
-    """The product kernel's template arguments (its variants add their own)."""
-    return [("XT", x.dtype), ("ST", scales.dtype), ("BITS", bits), ("GS", group_size),
-            ("WARPS", warps)]  # fmt: skip
-
-
 def quantized_matmul_native(
     x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None,
     norm_weight: mx.array | None = None, eps: float = 1e-6, swiglu: bool = False,
@@ -750,7 +744,13 @@ def quantized_matmul_native(
     emits = next_norm is not None
     out = kernel(
         inputs=[x, w, scales, biases, *extra],
-        template=template(x, scales, bits, group_size, warps)
+        template=[
+            ("XT", x.dtype),
+            ("ST", scales.dtype),
+            ("BITS", bits),
+            ("GS", group_size),
+            ("WARPS", warps),
+        ]
         + ([("Z_OFF", gate.offset)] if gate is not None else []),
         grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
