@@ -230,14 +230,16 @@ def ncu_summary(
     """Kernel durations (``ncu --csv --metrics gpu__time_duration.sum``, kernels
     ``regex:mtp_qmm|bench_stream_read``) of a ``launches_only`` run, mapped back to its
     ``plan``: median us of each launch's repeats, and GB/s. The plan's order is the CSV's; a
-    count that differs is an error, not a guess."""
+    count that differs is an error, not a guess. Other metrics in the same profile (occupancy,
+    DRAM %) are left out: a kernel's duration is its one ``gpu__time_duration.sum`` row."""
     lines = csv_text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
     if start is None:
         raise ValueError('no ncu CSV header ("ID", ...) in the profile')
     unit = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
     us = [float(r["Metric Value"].replace(",", "")) * unit[r["Metric Unit"]]
-          for r in csv.DictReader(lines[start:]) if r.get("Metric Name")]  # fmt: skip
+          for r in csv.DictReader(lines[start:])
+          if r.get("Metric Name") == "gpu__time_duration.sum"]  # fmt: skip
     ours = [a for a in arms if a != "mlx"]
     order = plan(arms, layers, ms)
     if len(us) != len(order) * repeats:
@@ -307,8 +309,11 @@ def main() -> None:
     args = ap.parse_args()
     layers = STEP_LAYERS if args.step else LAYERS
     if args.ncu_summary:
-        s = ncu_summary(args.ncu_summary.read_text(), args.arms, layers, args.launch_repeats,
-                        args.bits, args.group_size)  # fmt: skip
+        try:
+            s = ncu_summary(args.ncu_summary.read_text(), args.arms, layers,
+                            args.launch_repeats, args.bits, args.group_size)  # fmt: skip
+        except (OSError, ValueError) as e:  # a profile of another plan, or none: say which
+            raise SystemExit(f"bench_qmm.py --ncu-summary {args.ncu_summary}: {e}") from None
         s |= {
             "arms": args.arms,
             "launch_repeats": args.launch_repeats,

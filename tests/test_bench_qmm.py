@@ -22,13 +22,14 @@ HEADER = (
 LAYERS = {"small 128->64": (128, 64), "big 256->4096": (256, 4096)}
 
 
-def _csv(durations_ns: list[int]) -> str:
-    """What ncu prints with --csv: its own log lines, the header, a row a kernel."""
-    rows = [
-        f'"{i}","7","python3.12","h","mtp_qmm_x","1","14","(256, 1, 1)","(4, 1, 1)","0","9.0",'
-        f'"Command line profiler metrics","gpu__time_duration.sum","ns","{ns:,}"'
-        for i, ns in enumerate(durations_ns)
-    ]
+def _csv(durations_ns: list[int], extra: tuple[tuple[str, str, str], ...] = ()) -> str:
+    """What ncu prints with --csv: its own log lines, the header, a row a kernel and metric
+    (``extra``: more metrics a kernel, (name, unit, value), as --metrics a,b,c gives them)."""
+    head = '"7","python3.12","h","mtp_qmm_x","1","14","(256, 1, 1)","(4, 1, 1)","0","9.0"'
+    rows = []
+    for i, ns in enumerate(durations_ns):
+        for name, unit, value in (("gpu__time_duration.sum", "ns", f"{ns:,}"), *extra):
+            rows.append(f'"{i}",{head},"Command line profiler metrics","{name}","{unit}","{value}"')
     return "\n".join(["==PROF== Connected to process 7", HEADER, *rows]) + "\n"
 
 
@@ -57,6 +58,11 @@ def test_durations_map_to_the_plan_in_order_as_medians_of_their_repeats():
             assert row[arm] == {m: base[(name, arm, m)] / 1000 for m in (1, 3)}
     table = bench_qmm.ncu_markdown(s, ["8", "mlx", "8x5"])
     assert table.count("| small 128->64 |") == 2 and "| mlx |" not in table
+    # The same profile with occupancy and DRAM rows beside each duration (session 23's runs:
+    # their "%" unit once stopped the summary) maps to the same figures.
+    more = (("sm__warps_active.avg.pct_of_peak_sustained_active", "%", "30.25"),
+            ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "%", "43.10"))  # fmt: skip
+    assert bench_qmm.ncu_summary(_csv(ns, more), ["8", "mlx", "8x5"], LAYERS, repeats=3) == s
 
 
 def test_a_profile_that_does_not_fit_the_plan_is_refused():
