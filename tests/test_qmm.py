@@ -164,11 +164,14 @@ def test_the_product_adds_no_graph_nodes_around_its_launch(monkeypatch):
         return y if residual is None else mx.add(residual, y)
 
     _pretend_gpu(monkeypatch, native)
+    # The stand-in taken without its self-check: on CUDA MLX's product is not row-invariant,
+    # so the check would refuse it and the count would be the reference path's (session 23).
+    monkeypatch.setattr(kernels, "mode", lambda: "native")
     x, w, s, b = _layer_inputs(m=3)
     h = mx.random.normal((1, 3, 40), key=mx.random.key(5)).astype(mx.bfloat16)
     layer = _linear(w, s, b)
     x3 = x.reshape(1, 3, -1)
-    mx.eval(x3, h, qm.linear_add(layer, x3, h))  # the self-checks, outside the count
+    mx.eval(x3, h, layer.parameters())  # inputs and weights made: only the product is counted
     dot = io.StringIO()
     mx.export_to_dot(dot, qm.linear_add(layer, x3, h))
     assert sorted(re.findall(r'label ="([^"]+)"', dot.getvalue())) == ["Add", "QuantizedMatmul"]
