@@ -102,19 +102,15 @@ def device_read_bandwidth(repeats: int) -> dict:
 
 def arms(names: list[str]) -> dict:
     """``W`` -> our kernel with W split-K warps; ``WxB`` -> the same with launch bounds that
-    fit B blocks on a multiprocessor (ptxas caps its registers); ``WsS`` -> W warps fed by the
-    bulk-copy ring of S stages (where it fits K; else the register path); ``mlx`` -> MLX's
-    product."""
+    fit B blocks on a multiprocessor (ptxas caps its registers); ``mlx`` -> MLX's product."""
     out = {}
     for name in names:
         if name == "mlx":
             out[name] = qm.quantized_matmul_ops
             continue
-        name_, _, stages = name.partition("s")
-        warps, _, blocks = name_.partition("x")
+        warps, _, blocks = name.partition("x")
         out[name] = partial(qm.quantized_matmul_native, warps=int(warps),
-                            min_blocks=int(blocks) if blocks else None,
-                            stages=int(stages) if stages else 0)  # fmt: skip
+                            min_blocks=int(blocks) if blocks else None)  # fmt: skip
     return out
 
 
@@ -300,7 +296,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--name", default=None)
     ap.add_argument("--arms", nargs="+", default=[str(qm.WARPS), "mlx"],
-                    help="W (warps), WxB (bounds: B blocks), WsS (bulk ring), mlx")  # fmt: skip
+                    help="W (ours, W warps), WxB (launch bounds for B blocks), mlx")  # fmt: skip
     ap.add_argument("--ms", type=int, nargs="+", default=list(range(1, 9)))
     ap.add_argument("--launches-only", action="store_true")
     ap.add_argument("--step", action="store_true", help="a decode step's fused products")

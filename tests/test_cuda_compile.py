@@ -109,11 +109,10 @@ VARIANT_IDS = ["plain", "residual", "norm", "swiglu", "norm_swiglu", "residual_e
 
 
 def _product(variant: qm.Variant, xt: str, bits: int, group_size: int = 64,
-             header: str | None = None, stages: int = 0) -> str:  # fmt: skip
+             header: str | None = None) -> str:  # fmt: skip
     """A product variant's source wrapped as MLX wraps it, with its header (launch bounds
-    included where the variant has them); with ``stages``, its bulk-copy ring's."""
+    included where the variant has them)."""
     header = qm.header(variant) if header is None else header
-    header += qm._BULK_HEADER if stages else ""
     types = {"x": xt, "w": U32, "scales": xt, "biases": xt}
     types |= {"norm_w": xt} if variant.norm_eps is not None or variant.emits else {}
     types |= {"x_sums": "float"} if variant.sums_eps is not None else {}
@@ -122,9 +121,7 @@ def _product(variant: qm.Variant, xt: str, bits: int, group_size: int = 64,
     outputs = {"y": xt} | ({"y_w": xt, "y_sums": "float"} if variant.emits else {})
     constants = {"XT": xt, "ST": xt, "BITS": bits, "GS": group_size, "WARPS": qm.WARPS}
     constants |= {"Z_OFF": 10240} if variant.gate_eps is not None else {}
-    constants |= {"STAGES": stages} if stages else {}
-    text = qm.with_bulk(qm.source(False, variant)) if stages else qm.source(False, variant)
-    return _wrap(text, header, types, outputs, constants)
+    return _wrap(qm.source(False, variant), header, types, outputs, constants)
 
 
 @pytest.mark.parametrize("xt", [BF16, HALF])
@@ -146,17 +143,6 @@ def test_quantized_matmul_variants_fit_four_blocks_per_multiprocessor(tmp_path, 
     loop took 68 (3 blocks). The norm, swiglu and residual variants must not cost a block
     (the norm ones need launch bounds for that: 67-68 registers without)."""
     report = _compile(tmp_path, _product(variant, xt, bits))
-    assert _no_spills(report), report
-    used = int(re.search(r"Used (\d+) registers", report).group(1))
-    assert used * 32 * qm.WARPS * 4 <= 65536, used
-
-
-@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
-@pytest.mark.parametrize("bits", qm.BITS)
-def test_the_bulk_copy_ring_compiles_for_sm90_without_spills(tmp_path, variant, bits):
-    """The ring's mbarriers and ``cp.async.bulk`` are sm_90 PTX: every variant assembles, and
-    holds no more registers than the register path's 4 blocks a multiprocessor allow."""
-    report = _compile(tmp_path, _product(variant, BF16, bits, stages=4))
     assert _no_spills(report), report
     used = int(re.search(r"Used (\d+) registers", report).group(1))
     assert used * 32 * qm.WARPS * 4 <= 65536, used

@@ -321,10 +321,8 @@ def _as_dequantized(x, w, scales, biases, group_size, bits) -> np.ndarray:
 
 def _cuda_qmm(x, w, scales, biases, group_size, bits, warps=qm.WARPS, residual=None,
               variant: qm.Variant = qm.PLAIN, norm_w=None, source: str | None = None,
-              x_sums: np.ndarray | None = None, gate: qm.Gate | None = None,
-              stages: int = 0):  # fmt: skip
-    """The CUDA product's y, or with ``variant.emits`` all its outputs (a dict); with
-    ``stages``, the bulk-copy ring's product."""
+              x_sums: np.ndarray | None = None, gate: qm.Gate | None = None):  # fmt: skip
+    """The CUDA product's y, or with ``variant.emits`` all its outputs (a dict)."""
     n = w.shape[0]
     if residual is not None and not variant.residual:
         variant = dataclasses.replace(variant, residual=True)
@@ -335,16 +333,15 @@ def _cuda_qmm(x, w, scales, biases, group_size, bits, warps=qm.WARPS, residual=N
     if gate is not None:
         extra |= {"z": _bits16(gate.source), "gate_w": _bits16(gate.weight)}
     out = cuda_emulation.run(
-        source or (qm.with_bulk if stages else str)(qm.source(False, variant)),
+        source or qm.source(False, variant),
         {"x": _bits16(x), "w": np.array(w), "scales": _bits16(scales), "biases": _bits16(biases)}
         | extra,
         _outputs(variant, math.prod(x.shape[:-1]), n),
         {"XT": "__nv_bfloat16", "ST": "__nv_bfloat16", "BITS": bits, "GS": group_size,
-         "WARPS": warps} | ({"Z_OFF": gate.offset} if gate is not None else {})
-        | ({"STAGES": stages} if stages else {}),
+         "WARPS": warps} | ({"Z_OFF": gate.offset} if gate is not None else {}),
         grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
-        header=cuda_emulation.emulated_mma(qm._HEADER_CUDA + qm._BULK_HEADER * bool(stages)),
+        header=cuda_emulation.emulated_mma(qm._HEADER_CUDA),
         types={"x": "XT", "scales": "ST", "biases": "ST", "residual": "XT", "norm_w": "XT",
                "z": "XT", "gate_w": "XT"},
     )  # fmt: skip
@@ -393,35 +390,6 @@ def test_emulated_cuda_quantized_matmul_prefetch_over_many_rounds(bits):
     got = _cuda_qmm(x, w, scales, biases, 64, bits, warps=2)
     want = _as_dequantized(x, w, scales, biases, 64, bits)
     np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-3)
-
-
-@pytest.mark.parametrize(
-    ("bits", "group_size", "variant"),
-    [(4, 64, qm.PLAIN), (8, 64, qm.PLAIN), (4, 32, qm.PLAIN), (4, 128, qm.PLAIN),
-     (4, 64, qm.Variant(swiglu=True)), (4, 64, qm.Variant(1e-6)),
-     (4, 64, qm.Variant(residual=True))],
-    ids=["4b64", "8b64", "4b32", "4b128", "swiglu", "norm", "residual"],
-)  # fmt: skip
-def test_emulated_cuda_bulk_ring_gives_the_register_paths_bits(bits, group_size, variant):
-    """The bulk-copy ring (2 slots over 5 stages of K: slots requested again 3 times)
-    takes each warp the same weights, scales and biases as the register path, so every row is
-    the same bits, for M = 1, 3, 8. A slot requested again before every warp took it, or taken
-    before its bytes arrived, gives other bits."""
-    n, k = 40, 5 * qm.WARPS * 16 * 32 // bits
-    assert qm.bulk_fits(k, group_size, bits, mx.bfloat16)
-    w, scales, biases = qm.random_quantized(n, k, group_size, bits, mx.bfloat16, seed=21)
-    x = mx.random.normal((8, k), key=mx.random.key(22)).astype(mx.bfloat16)
-    opts: dict = {"variant": variant}
-    if variant.norm_eps is not None:
-        opts["norm_w"] = mx.random.uniform(0.5, 1.5, (k,), key=mx.random.key(23)).astype(
-            mx.bfloat16)  # fmt: skip
-    n_out = n // 2 if variant.swiglu else n
-    r = mx.random.normal((8, n_out), key=mx.random.key(24)).astype(mx.bfloat16)
-    for m in (1, 3, 8):
-        rows = opts | ({"residual": r[:m]} if variant.residual else {})
-        want = _cuda_qmm(x[:m], w, scales, biases, group_size, bits, **rows)
-        got = _cuda_qmm(x[:m], w, scales, biases, group_size, bits, stages=2, **rows)
-        assert np.array_equal(got, want), f"M={m}"
 
 
 def _bf16(a) -> np.ndarray:

@@ -588,178 +588,6 @@ def with_residual(source: str) -> str:
     raise AssertionError("the product's store is not where it was")
 
 
-# Bulk copies (an experiment, CUDA sm_90): the weights, scales and biases reach shared memory
-# by ``cp.async.bulk`` through a ring of STAGES stages, each stage one stretch per warp for the
-# tile's 16 rows, so up to STAGES stages of a tile are in flight with no register held for them
-# (the register path keeps one stretch a warp in flight). Warp 0 requests a stage again once
-# every warp has taken the one before it from that slot (mbarriers: a stage's bytes arrive on
-# ``full``, the warps' release on ``empty``). Each warp takes exactly the stretches, scales and
-# biases the register path loads, into the same registers, so the products are the same bits.
-_BULK_HEADER = r"""
-#ifdef __CUDA_ARCH__
-typedef uint64_t qm_bar;
-__device__ __forceinline__ uint32_t qm_smem(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void qm_bar_init(qm_bar* b, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(qm_smem(b)), "r"(count));
-}
-__device__ __forceinline__ void qm_bar_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void qm_bar_expect(qm_bar* b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-               :: "r"(qm_smem(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void qm_bar_arrive(qm_bar* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(qm_smem(b)) : "memory");
-}
-__device__ __forceinline__ void qm_bar_wait(qm_bar* b, uint32_t parity) {
-  uint32_t done = 0u;
-  while (!done) {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 " selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(qm_smem(b)), "r"(parity) : "memory");
-  }
-}
-__device__ __forceinline__ void qm_bulk(void* dst, const void* src, uint32_t bytes, qm_bar* b) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-               " [%0], [%1], %2, [%3];"
-               :: "r"(qm_smem(dst)), "l"(src), "r"(bytes), "r"(qm_smem(b)) : "memory");
-}
-#define QM_RING extern __shared__ __align__(128) unsigned char qm_ring[];
-#else  // the CPU emulation (tests/cuda_emulation.py): the same protocol under a mutex
-#include <mutex>
-struct qm_bar { std::mutex m; int count = 0, pending = 0, phase = 0; long tx = 0; };
-static inline void qm_bar_init(qm_bar* b, int count) {
-  std::lock_guard<std::mutex> l(b->m);
-  b->count = b->pending = count, b->phase = 0, b->tx = 0;
-}
-static inline void qm_bar_fence() {}
-static inline void qm_bar_done(qm_bar* b) {  // under the lock
-  if (b->pending == 0 && b->tx == 0) b->pending = b->count, b->phase += 1;
-}
-static inline void qm_bar_expect(qm_bar* b, uint32_t bytes) {
-  std::lock_guard<std::mutex> l(b->m);
-  b->tx += bytes, b->pending -= 1;
-  qm_bar_done(b);
-}
-static inline void qm_bar_arrive(qm_bar* b) {
-  std::lock_guard<std::mutex> l(b->m);
-  b->pending -= 1;
-  qm_bar_done(b);
-}
-static inline void qm_bar_wait(qm_bar* b, uint32_t parity) {
-  for (;;) {
-    {
-      std::lock_guard<std::mutex> l(b->m);
-      if (static_cast<uint32_t>(b->phase & 1) != parity) return;
-    }
-    std::this_thread::yield();
-  }
-}
-static inline void qm_bulk(void* dst, const void* src, uint32_t bytes, qm_bar* b) {
-  std::memcpy(dst, src, bytes);
-  std::lock_guard<std::mutex> l(b->m);
-  b->tx -= bytes;
-  qm_bar_done(b);
-}
-#define QM_RING alignas(128) static unsigned char qm_ring[1 << 18];
-#endif
-"""
-# A stage's slot: 16 rows of WARPS stretches (each row padded by 16 bytes, so the 8 rows a
-# warp's lanes read fall in different banks), then its 16 rows' scales, then their biases.
-_BULK_RING = """QM_RING
-    constexpr int SW = WARPS * 16;                   // a stage's words a row
-    constexpr int ROWB = SW * 4 + 16;                // a row's bytes in a slot
-    constexpr int SG = SW * VPW / GS;                // a stage's groups a row
-    constexpr int SLOT = 16 * ROWB + 32 * SG * (int)sizeof(ST);
-    __shared__ qm_bar qm_full[STAGES], qm_empty[STAGES];
-    const int nstages = stretches / WARPS;
-    if (threadIdx.x == 0) {
-      for (int i = 0; i < STAGES; ++i) {
-        qm_bar_init(&qm_full[i], 1);
-        qm_bar_init(&qm_empty[i], WARPS);
-      }
-      qm_bar_fence();
-    }
-    __syncthreads();
-    auto request = [&](int s) {  // warp 0: stage s into its slot; lane 4g: rows g and g + 8
-      unsigned char* slot = qm_ring + (s % STAGES) * SLOT;
-      if (lane == 0) qm_bar_expect(&qm_full[s % STAGES], 16 * (SW * 4 + 2 * SG * sizeof(ST)));
-      __syncwarp();
-      if (t == 0) {
-        ST* ss = reinterpret_cast<ST*>(slot + 16 * ROWB);
-        for (int h = 0; h < 2; ++h) {
-          const int r = g + 8 * h;
-          qm_bulk(slot + r * ROWB, (h ? w_hi : w_lo) + s * SW, SW * 4, &qm_full[s % STAGES]);
-          qm_bulk(ss + r * SG, (h ? s_hi : s_lo) + s * SG, SG * sizeof(ST), &qm_full[s % STAGES]);
-          qm_bulk(ss + (16 + r) * SG, (h ? b_hi : b_lo) + s * SG, SG * sizeof(ST),
-                  &qm_full[s % STAGES]);
-        }
-      }
-    };
-    auto take = [&](int st) {  // this warp's stretch st of its stage, as fetch loads it
-      const int s = st / WARPS;
-      qm_bar_wait(&qm_full[s % STAGES], (s / STAGES) & 1);
-      const unsigned char* slot = qm_ring + (s % STAGES) * SLOT;
-      const int word = warp * 16 + t * 4;
-      ql = *reinterpret_cast<const uint4*>(slot + g * ROWB + word * 4);
-      qh = *reinterpret_cast<const uint4*>(slot + (g + 8) * ROWB + word * 4);
-      const ST* ss = reinterpret_cast<const ST*>(slot + 16 * ROWB);
-      const int grp = (word * VPW) / GS;
-      sl = ss[g * SG + grp];
-      sh = ss[(g + 8) * SG + grp];
-      bl = ss[(16 + g) * SG + grp];
-      bh = ss[(24 + g) * SG + grp];
-    };
-    auto release = [&](int st) {  // the slot taken; warp 0 requests its next stage
-      const int s = st / WARPS;
-      __syncwarp();
-      if (lane == 0) qm_bar_arrive(&qm_empty[s % STAGES]);
-      if (warp == 0 && s + STAGES < nstages) {
-        qm_bar_wait(&qm_empty[s % STAGES], (s / STAGES) & 1);
-        request(s + STAGES);
-      }
-    };
-    if (warp == 0) {
-      for (int s = 0; s < min(STAGES, nstages); ++s) request(s);
-    }
-"""
-
-
-def with_bulk(source: str) -> str:
-    """A CUDA product's source with its weights, scales and biases brought by the bulk-copy
-    ring (``_BULK_RING``) instead of each warp's register fetch one stretch ahead."""
-    edits = (
-        ("    if (warp < stretches) fetch(warp);\n", "    " + _BULK_RING),
-        ("      if (st + WARPS < stretches) fetch(st + WARPS);\n", ""),
-        ("      const uint32_t wl[4] =", "      take(st);\n      release(st);\n"
-         "      const uint32_t wl[4] ="),
-    )  # fmt: skip
-    for old, new in edits:
-        assert source.count(old) == 1, old
-        source = source.replace(old, new)
-    return source
-
-
-def bulk_fits(k: int, group_size: int, bits: int, sdtype, warps: int = WARPS) -> bool:
-    """Whether the bulk-copy ring covers K: whole stages, and each stage's scales a multiple
-    of 16 bytes (the copies' unit; the rows' starts then are too)."""
-    values = warps * 16 * (32 // bits)  # a stage's values a row
-    return (
-        k % values == 0
-        and values % group_size == 0
-        and (values // group_size * sdtype.size) % 16 == 0
-    )
-
-
-def bulk_smem(stages: int, group_size: int, bits: int, sdtype, warps: int = WARPS) -> int:
-    """The ring's dynamic shared memory in bytes."""
-    sw = warps * 16
-    return stages * (16 * (sw * 4 + 16) + 32 * (sw * (32 // bits) // group_size) * sdtype.size)
-
-
 @dataclass(frozen=True)
 class Variant:
     """What one launch does besides the product: RMS-normalise x first (with this eps), or
@@ -838,8 +666,8 @@ _CUDA_SOURCE, _METAL_SOURCE = source(False), source(True)  # the plain product's
 _kernels: dict = {}
 
 
-def _spec(metal: bool, header: str, variant: Variant = PLAIN, bulk: bool = False) -> dict:
-    text = with_bulk(source(metal, variant)) if bulk else source(metal, variant)
+def _spec(metal: bool, header: str, variant: Variant = PLAIN) -> dict:
+    text = source(metal, variant)
     return {
         "name": kernel_name("mtp_qmm" + variant.suffix(), text, header),
         "input_names": ["x", "w", "scales", "biases"]
@@ -853,12 +681,9 @@ def _spec(metal: bool, header: str, variant: Variant = PLAIN, bulk: bool = False
     }
 
 
-def _build_cuda(variant: Variant, header: str = _HEADER_CUDA, smem: int = 0):
+def _build_cuda(variant: Variant, header: str = _HEADER_CUDA):
     if not available("cuda"):
         return None
-    if smem:  # the bulk-copy ring's
-        return mx.fast.cuda_kernel(**_spec(False, header + _BULK_HEADER, variant, bulk=True),
-                                   shared_memory=smem)  # fmt: skip
     return mx.fast.cuda_kernel(**_spec(False, header, variant))
 
 
@@ -882,9 +707,9 @@ def header(variant: Variant, warps: int = WARPS, min_blocks: int | None = None) 
     return _HEADER_CUDA + (launch_bounds(warps, min_blocks) if min_blocks else "")
 
 
-def _kernel(variant: Variant, warps: int = WARPS, min_blocks: int | None = None, smem: int = 0):
+def _kernel(variant: Variant, warps: int = WARPS, min_blocks: int | None = None):
     text = header(variant, warps, min_blocks)
-    return built(_kernels, (variant, text, smem), lambda: _build_cuda(variant, text, smem),
+    return built(_kernels, (variant, text), lambda: _build_cuda(variant, text),
                  lambda: _build_metal(variant))  # fmt: skip
 
 
@@ -899,20 +724,16 @@ def quantized_matmul_native(
     x, w, scales, biases, *, group_size: int, bits: int, residual: mx.array | None = None,
     norm_weight: mx.array | None = None, eps: float = 1e-6, swiglu: bool = False,
     x_sums: mx.array | None = None, next_norm: mx.array | None = None, gate: Gate | None = None,
-    warps: int = WARPS, min_blocks: int | None = None, stages: int = 0,
+    warps: int = WARPS, min_blocks: int | None = None,
 ):  # fmt: skip
     """The native kernel for x [..., K] of M <= 8 rows (the leading axes): y [..., N] in x's
     dtype, or with ``next_norm`` the tuple of ``quantized_matmul_ops`` (see there for the
     options; ``norm_weight``, ``next_norm`` and ``residual`` in x's dtype, ``x_sums`` [..., K/16]
     float32, a gate's source [..., >= offset + K] in x's dtype and its heads of 16 words'
     values, each with x's rows); None where there is none. ``warps`` and ``min_blocks`` (launch
-    bounds, CUDA) are for benchmarks, and ``stages`` (CUDA): the bulk-copy ring's, where
-    ``bulk_fits`` (0: the register path)."""
+    bounds, CUDA) are for benchmarks."""
     variant = _variant(norm_weight, eps, swiglu, residual, x_sums, next_norm, gate)
-    if stages and not bulk_fits(x.shape[-1], group_size, bits, scales.dtype, warps):
-        stages = 0
-    smem = bulk_smem(stages, group_size, bits, scales.dtype, warps) if stages else 0
-    kernel = _kernel(variant, warps, min_blocks, smem)
+    kernel = _kernel(variant, warps, min_blocks)
     if kernel is None:
         return None
     lead, N = x.shape[:-1], w.shape[0]
@@ -930,7 +751,6 @@ def quantized_matmul_native(
             ("GS", group_size),
             ("WARPS", warps),
         ]
-        + ([("STAGES", stages)] if stages else [])
         + ([("Z_OFF", gate.offset)] if gate is not None else []),
         grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
