@@ -51,9 +51,10 @@ def _plain_inputs(T: int, seed: int = 0) -> dict[str, np.ndarray]:
             "state_in": x["state_in"]}  # fmt: skip
 
 
-def _emulate(x: dict, keep: bool, rows: int = gd._ROWS, source: str | None = None) -> list:
-    """The kernel on x, ``rows`` value rows per warp."""
+def _emulate(x: dict, keep: bool, rows: int | None = None, source: str | None = None) -> list:
+    """The kernel on x, ``rows`` value rows per warp (by default as the launch picks them)."""
     T, raw, dv = x["q"].shape[1], "a" in x, x["v"].shape[-1]
+    rows = rows or gd._rows(dv)
     outputs = {"y": (1, T, HV, dv), "state_out": (1, HV, dv, DK)}
     if keep:
         outputs["states"] = (T - 1, 1, HV, dv, DK)
@@ -134,7 +135,7 @@ def test_emulated_kernel_reads_the_state_through_its_strides(metal, layout):
 
 @pytest.mark.parametrize("rows", [r for r in (1, 2, 4) if r != gd._ROWS])
 def test_emulated_rows_per_warp_do_not_change_a_bit(rows):
-    x = _raw_inputs(3, seed=3)
+    x = _raw_inputs(3, seed=3, dv=4 * gd._WARPS)  # enough value rows for 4 a warp
     want = _emulate(x, keep=True)
     got = _emulate(x, keep=True, rows=rows)
     assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
@@ -763,9 +764,11 @@ def _conv_layer_inputs(T: int, seed: int = 0, heads=(HK, DK, HV, DV), K: int = 4
 
 
 def _emulate_conv(x: dict, keep: bool, heads=(HK, DK, HV, DV), source: str | None = None,
-                  rows: int = gd._ROWS) -> list:  # fmt: skip
-    """y, the final state, the states where kept, the conv's window and inputs, new window."""
+                  rows: int | None = None) -> list:  # fmt: skip
+    """y, the final state, the states where kept, the conv's window and inputs, new window
+    (``rows`` value rows a warp, by default as the launch picks them)."""
     hk, dk, hv, dv = heads
+    rows = rows or gd._rows(dv)
     T, K, nc = x["qkv"].shape[1], x["conv_w"].shape[1], x["qkv"].shape[2]
     outputs = {"y": (1, T, hv, dv), "state_out": (1, hv, dv, dk)}
     outputs |= {"states": (T - 1, 1, hv, dv, dk)} if keep else {}

@@ -331,10 +331,11 @@ def _source(metal: bool, keep: bool, raw: bool, conv: bool = False) -> str:
     return spell(source.replace("THREAD_INDICES", _THREAD_INDICES[metal]), metal)
 
 
-# The conv variant takes 109-115 registers unbounded: 4 threadgroups a multiprocessor, 528 on
-# the H200, fewer than a 27B layer's 768 (B = 1). Bounded to 6 (792), ptxas fits it in 72-78
-# without spills (tests/test_cuda_compile.py), and a layer's threadgroups run in one wave.
-CONV_MIN_BLOCKS = 6
+# The conv variant takes 109-115 registers unbounded: 2 threadgroups of 8 warps a
+# multiprocessor, 264 on the H200, fewer than a 27B layer's 384 (B = 1). Bounded to 3 (396),
+# ptxas fits it in 72-78 without spills (tests/test_cuda_compile.py), and a layer's
+# threadgroups run in one wave.
+CONV_MIN_BLOCKS = 3
 
 
 def _spec(metal: bool, keep: bool, raw: bool, conv: bool = False) -> dict:
@@ -380,7 +381,11 @@ def _kernel(keep: bool, raw: bool = False, conv: bool = False):
 # the steps' latency. With the q/k and gates made once per threadgroup, 2 rows beat 4 and 1 at
 # every T on the H200 (docs/benchmark_results/README.md, session 11).
 _ROWS = 2
-_WARPS = 4  # a threadgroup: its warps share one chunk's q/k normalisation and gates
+# A threadgroup: its warps share one chunk's q/k normalisation and gates (with the conv folded
+# in, convolved too), which every threadgroup of the key head makes again: 8 warps make them
+# half as often as 4, and a T = 3 block with states took 11.0 us against 12.8 on the H200
+# (T = 1 8.7 against 8.5; session 25).
+_WARPS = 8
 
 
 def _rows(Dv: int) -> int:
