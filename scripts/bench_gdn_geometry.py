@@ -19,8 +19,6 @@ kernel's geometry set, for a whole step under the profiler. Needs CUDA.
 from __future__ import annotations
 
 import argparse
-import csv
-import ctypes
 import json
 import runpy
 import statistics
@@ -30,6 +28,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from mtpcli.kernels import gated_delta as gd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_qmm import kernel_durations_us, profiled  # noqa: E402 - a sibling script
 
 HK, HV, DK, DV, K = 16, 48, 128, 128, 4
 NC = 2 * HK * DK + HV * DV
@@ -60,7 +61,6 @@ def _inputs(T: int) -> tuple:
 
 
 def sweep() -> None:
-    cuda = ctypes.CDLL("libcuda.so.1")
     inputs = {T: _inputs(T) for T in sorted({T for T, _ in CASES})}
     order, first, bitwise = [], {}, {}
     for geometry in GEOMETRIES:
@@ -79,12 +79,7 @@ def sweep() -> None:
                 )  # fmt: skip
             else:
                 first[(T, keep)] = out
-            mx.synchronize()
-            cuda.cuProfilerStart()
-            for _ in range(REPEATS):
-                mx.eval(launch())
-            mx.synchronize()
-            cuda.cuProfilerStop()
+            profiled(launch, REPEATS)
             order.append([list(geometry), T, keep])
     print(json.dumps({"order": order, "bitwise_vs_first": bitwise}))
 
@@ -94,13 +89,12 @@ def summary(text: str) -> dict:
     by geometry and case; prints the table."""
     lines = text.splitlines()
     meta = next((json.loads(x) for x in reversed(lines) if x.startswith('{"order"')), None)
-    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
-    if meta is None or start is None:
+    try:
+        us = kernel_durations_us(text)
+    except ValueError:
+        us = None
+    if meta is None or us is None:
         raise SystemExit("not a sweep's profile: no ncu CSV header or no launch order line")
-    unit = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
-    rows = [r for r in csv.DictReader(lines[start:])
-            if r.get("Metric Name") == "gpu__time_duration.sum"]  # fmt: skip
-    us = [float(r["Metric Value"].replace(",", "")) * unit[r["Metric Unit"]] for r in rows]
     if len(us) != len(meta["order"]) * REPEATS:
         plan = len(meta["order"])
         raise SystemExit(f"{len(us)} kernels profiled, the plan has {plan} x {REPEATS}")

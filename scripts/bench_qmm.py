@@ -201,21 +201,40 @@ def _launches(fns: dict, bits: int, gs: int, layers: dict) -> Iterator[tuple]:
             yield what, partial(fns[what[1]], x, w, scales, biases, group_size=gs, bits=bits)
 
 
-def launches_only(fns: dict, bits: int, gs: int, layers: dict, repeats: int = 1) -> None:
-    """Each launch of ``plan`` run once to compile, then ``repeats`` times between
-    cuProfilerStart and Stop (for ``ncu --profile-from-start off``): only those are profiled."""
+def profiled(fn, repeats: int) -> None:
+    """``fn`` run ``repeats`` times between cuProfilerStart and Stop (for ``ncu
+    --profile-from-start off``), once the queue before it has drained."""
     import ctypes
 
     cuda = ctypes.CDLL("libcuda.so.1")
+    mx.synchronize()
+    cuda.cuProfilerStart()
+    for _ in range(repeats):
+        mx.eval(fn())
+    mx.synchronize()
+    cuda.cuProfilerStop()
+
+
+def launches_only(fns: dict, bits: int, gs: int, layers: dict, repeats: int = 1) -> None:
+    """Each launch of ``plan`` run once to compile, then ``repeats`` times between
+    cuProfilerStart and Stop (for ``ncu --profile-from-start off``): only those are profiled."""
     for what, fn in _launches(fns, bits, gs, layers):
         mx.eval(fn())
-        mx.synchronize()
-        cuda.cuProfilerStart()
-        for _ in range(repeats):
-            mx.eval(fn())
-        mx.synchronize()
-        cuda.cuProfilerStop()
+        profiled(fn, repeats)
         print(f"{what}: {repeats} launches", flush=True)
+
+
+def kernel_durations_us(csv_text: str) -> list[float]:
+    """Each profiled kernel's ``gpu__time_duration.sum`` in us, in the profile's order, from
+    ``ncu --csv`` output (which prints its own log lines before the CSV)."""
+    lines = csv_text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        raise ValueError('no ncu CSV header ("ID", ...) in the profile')
+    unit = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+    return [float(r["Metric Value"].replace(",", "")) * unit[r["Metric Unit"]]
+            for r in csv.DictReader(lines[start:])
+            if r.get("Metric Name") == "gpu__time_duration.sum"]  # fmt: skip
 
 
 def ncu_summary(
@@ -232,14 +251,7 @@ def ncu_summary(
     ``plan``: median us of each launch's repeats, and GB/s. The plan's order is the CSV's; a
     count that differs is an error, not a guess. Other metrics in the same profile (occupancy,
     DRAM %) are left out: a kernel's duration is its one ``gpu__time_duration.sum`` row."""
-    lines = csv_text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
-    if start is None:
-        raise ValueError('no ncu CSV header ("ID", ...) in the profile')
-    unit = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
-    us = [float(r["Metric Value"].replace(",", "")) * unit[r["Metric Unit"]]
-          for r in csv.DictReader(lines[start:])
-          if r.get("Metric Name") == "gpu__time_duration.sum"]  # fmt: skip
+    us = kernel_durations_us(csv_text)
     ours = [a for a in arms if a != "mlx"]
     order = plan(arms, layers, ms)
     if len(us) != len(order) * repeats:
