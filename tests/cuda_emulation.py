@@ -49,6 +49,20 @@ static float __shfl_xor_sync(unsigned, float v, int off) {  // every lane of the
   warp_wait();
   return r;
 }
+static float __shfl_sync(unsigned, float v, int src) {  // lane src's v; every lane calls it
+  row_->buf[threadIdx.x] = v;
+  warp_wait();
+  const float r = row_->buf[(threadIdx.x & ~31) | (src & 31)];
+  warp_wait();
+  return r;
+}
+struct float4 {
+  float x, y, z, w;
+  float4() = default;
+  float4(float x_, float y_, float z_, float w_) : x(x_), y(y_), z(z_), w(w_) {}  // Metal's
+};
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+static inline void __stcs(float4* p, float4 v) { *p = v; }
 static inline void __syncwarp() { warp_wait(); }
 static inline void simdgroup_barrier(int) { warp_wait(); }
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
@@ -64,13 +78,7 @@ using ushort = unsigned short;
 namespace mem_flags { constexpr int mem_threadgroup = 0; }
 static inline void threadgroup_barrier(int) { row_->sync.arrive_and_wait(); }
 static inline float simd_shuffle_xor(float v, ushort off) { return __shfl_xor_sync(0u, v, off); }
-static float simd_shuffle(float v, ushort src) {  // lane src's v; every lane calls it
-  row_->buf[threadIdx.x] = v;
-  warp_wait();
-  const float r = row_->buf[(threadIdx.x & ~31) | (src & 31)];
-  warp_wait();
-  return r;
-}
+static inline float simd_shuffle(float v, ushort src) { return __shfl_sync(0u, v, src); }
 #define thread_position_in_threadgroup threadIdx
 #define threadgroup_position_in_grid blockIdx
 #define thread_position_in_grid (Dim3{blockIdx.x * blockDim.x + threadIdx.x, \

@@ -16,6 +16,7 @@ from mtpcli.kernels import conv_window as cw
 from mtpcli.kernels import decode_attention as da
 from mtpcli.kernels import gated_delta as gd
 from mtpcli.kernels import gated_norm as gn
+from mtpcli.kernels import launch_bounds
 from mtpcli.kernels import quantized_matmul as qm
 
 NVCC = shutil.which("nvcc")
@@ -193,10 +194,12 @@ def test_a_source_error_is_caught(tmp_path):
 
 
 def test_a_kernel_that_spills_is_caught(tmp_path):
-    """The spill check is real: 64 value rows per warp need more than 255 registers."""
-    types = dict.fromkeys(gd._INPUTS[True], BF16) | {"state_in": F32, "A_log": F32}
-    constants = {"InT": BF16, "AT": F32, "DT": BF16, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48,
-                 "R": 64, "WARPS": 4}  # fmt: skip
-    outputs = {"y": BF16, "state_out": F32, "states": F32}
-    report = _compile(tmp_path, _wrap(gd._source(False, True, True), "", types, outputs, constants))
+    """The spill check is real: bounded to 8 threadgroups of 8 warps a multiprocessor (32
+    registers a thread), the conv variant, which needs 72-78, spills."""
+    types = dict.fromkeys(gd._CONV_INPUTS, BF16) | {"state_in": F32, "A_log": F32}
+    outputs = {"y": BF16, "state_out": F32, "states": F32, "inputs": BF16, "window_out": BF16}
+    constants = {"InT": BF16, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48, "R": 2, "WARPS": 8,
+                 "AT": F32, "DT": BF16, "WT": BF16, "CK": 4}  # fmt: skip
+    source = gd._source(False, True, True, conv=True)
+    report = _compile(tmp_path, _wrap(source, launch_bounds(8, 8), types, outputs, constants))
     assert not _no_spills(report)

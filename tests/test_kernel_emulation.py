@@ -51,8 +51,10 @@ def _plain_inputs(T: int, seed: int = 0) -> dict[str, np.ndarray]:
             "state_in": x["state_in"]}  # fmt: skip
 
 
-def _emulate(x: dict, keep: bool, rows: int | None = None, source: str | None = None) -> list:
-    """The kernel on x, ``rows`` value rows per warp (by default as the launch picks them)."""
+def _emulate(x: dict, keep: bool, rows: int | None = None, source: str | None = None,
+             metal: bool = False) -> list:  # fmt: skip
+    """The kernel on x, ``rows`` value rows per warp (by default as the launch picks them);
+    ``source`` a variant of the CUDA kernel, or of the Metal one."""
     T, raw, dv = x["q"].shape[1], "a" in x, x["v"].shape[-1]
     rows = rows or gd._rows(dv)
     outputs = {"y": (1, T, HV, dv), "state_out": (1, HV, dv, DK)}
@@ -64,6 +66,7 @@ def _emulate(x: dict, keep: bool, rows: int | None = None, source: str | None = 
         outputs,
         {"Dk": DK, "Dv": dv, "Hk": HK, "Hv": HV, "R": rows, "WARPS": gd._WARPS},
         *gd._geometry(1, HV, dv, rows),
+        header=gd._METAL_HEADER if metal else "",
     )
     return list(out.values())
 
@@ -128,8 +131,9 @@ def test_emulated_kernel_reads_the_state_through_its_strides(metal, layout):
         view = np.broadcast_to(np.zeros((1, 1, 1, 1), np.float32), dense.shape)
     assert not view.flags.owndata
     source = gd._source(metal, True, True)
-    got = _emulate({**x, "state_in": view}, keep=True, source=source)
-    want = _emulate({**x, "state_in": np.ascontiguousarray(dense)}, keep=True, source=source)
+    got = _emulate({**x, "state_in": view}, keep=True, source=source, metal=metal)
+    want = _emulate({**x, "state_in": np.ascontiguousarray(dense)}, keep=True, source=source,
+                    metal=metal)  # fmt: skip
     assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
 
 
@@ -149,8 +153,10 @@ def test_emulated_rows_per_warp_do_not_change_a_bit(rows):
         ("(size_t)t * B * Hv", "(size_t)(T - 2 - t) * B * Hv", 3),  # states kept in reverse
         ("(t0 + j) * q_strides[1]", "j * q_strides[1]", 11),  # every chunk reads the first's q
         ("(t0 + lane) * gs", "lane * gs", 11),  # and its gates
+        ("t0 + lane / R", "lane / R", 11),  # and its values
+        ("int(j * R + r)", "int(r)", 3),  # every step takes the first's v
     ],
-    ids=["decay", "stride", "states", "chunk_q", "chunk_gates"],
+    ids=["decay", "stride", "states", "chunk_q", "chunk_gates", "chunk_v", "step_v"],
 )
 def test_emulation_catches_a_broken_kernel(old, new, T):
     """The emulation is a real check: each of these mistakes makes it disagree."""
@@ -214,7 +220,7 @@ def test_emulated_convolution_reads_the_window_through_its_strides(source):
 @pytest.mark.parametrize("T, keep", [(1, False), (3, True)])
 def test_emulated_metal_gated_delta_matches_the_reference(raw, T, keep):
     x = (_raw_inputs if raw else _plain_inputs)(T, seed=40 + T)
-    got = _emulate(x, keep, source=gd._source(True, keep, raw))
+    got = _emulate(x, keep, source=gd._source(True, keep, raw), metal=True)
     for g, w in zip(got, _reference(x, keep), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
@@ -764,9 +770,10 @@ def _conv_layer_inputs(T: int, seed: int = 0, heads=(HK, DK, HV, DV), K: int = 4
 
 
 def _emulate_conv(x: dict, keep: bool, heads=(HK, DK, HV, DV), source: str | None = None,
-                  rows: int | None = None) -> list:  # fmt: skip
+                  rows: int | None = None, metal: bool = False) -> list:  # fmt: skip
     """y, the final state, the states where kept, the conv's window and inputs, new window
-    (``rows`` value rows a warp, by default as the launch picks them)."""
+    (``rows`` value rows a warp, by default as the launch picks them; ``source`` a variant
+    of the CUDA kernel, or of the Metal one)."""
     hk, dk, hv, dv = heads
     rows = rows or gd._rows(dv)
     T, K, nc = x["qkv"].shape[1], x["conv_w"].shape[1], x["qkv"].shape[2]
@@ -779,6 +786,7 @@ def _emulate_conv(x: dict, keep: bool, heads=(HK, DK, HV, DV), source: str | Non
         outputs,
         {"Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "R": rows, "WARPS": gd._WARPS, "CK": K},
         *gd._geometry(1, hv, dv, rows),
+        header=gd._METAL_HEADER if metal else "",
     )
     return list(out.values())
 
@@ -795,21 +803,29 @@ def _conv_reference(x: dict, keep: bool, heads=(HK, DK, HV, DV)) -> list[np.ndar
 @pytest.mark.parametrize("T, keep", [(1, False), (3, True), (3, False), (11, True)])
 def test_emulated_folded_conv_kernel_matches_the_reference(metal, T, keep):
     x = _conv_layer_inputs(T, seed=60 + T)
-    got = _emulate_conv(x, keep, source=gd._source(metal, keep, True, conv=True))
+    got = _emulate_conv(x, keep, source=gd._source(metal, keep, True, conv=True), metal=metal)
     want = _conv_reference(x, keep)
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
-def test_emulated_folded_conv_kernel_covers_wide_key_heads():
+@pytest.mark.parametrize("metal", [False, True], ids=["cuda", "metal"])
+def test_emulated_folded_conv_kernel_covers_wide_key_heads(metal):
     """Key heads wider than a threadgroup (Dk 128): their q and k channels' conv inputs are
-    written by two value heads' threadgroups, each its share."""
+    written by two value heads' threadgroups, each its share; and a lane's 4 columns of a
+    state row go out as one 16-byte store (a store of the wrong columns is caught)."""
     heads = (1, 128, 2, 8)
     x = _conv_layer_inputs(3, seed=5, heads=heads)
-    got = _emulate_conv(x, True, heads=heads)
-    for g, w in zip(got, _conv_reference(x, True, heads=heads), strict=True):
+    source = gd._source(metal, True, True, conv=True)
+    want = _conv_reference(x, True, heads=heads)
+    got = _emulate_conv(x, True, heads=heads, source=source, metal=metal)
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    assert "(src)[i + 1]" in source
+    broken = source.replace("(src)[i + 1]", "(src)[i]")
+    got = _emulate_conv(x, True, heads=heads, source=broken, metal=metal)
+    assert not np.allclose(got[1], want[1], rtol=1e-4, atol=1e-5)  # the final state
 
 
 def test_emulated_folded_conv_equals_the_conv_kernel_then_the_raw_kernel():

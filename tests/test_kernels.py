@@ -163,8 +163,10 @@ def test_metal_source_mirrors_cuda_line_by_line(keep, raw, conv):
         ("threadgroup_barrier(mem_flags::mem_threadgroup)", "__syncthreads()"),
         ("threadgroup float", "__shared__ float"),
         ("device ", ""),
-        ("ushort off", "int off"),
+        ("ushort off", "int off"), ("ushort(", "int("),
         ("simd_shuffle_xor(", "__shfl_xor_sync(0xffffffffu, "),
+        ("simd_shuffle(", "__shfl_sync(0xffffffffu, "),
+        ("float4(", "make_float4("), ("store4(", "__stcs("),
         ("rsqrt(", "rsqrtf("), ("exp(", "expf("), ("log(", "logf("), ("fmax(", "fmaxf("),
         ("fabs(", "fabsf("),
     ]  # fmt: skip

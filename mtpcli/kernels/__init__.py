@@ -73,6 +73,9 @@ _SPELLINGS = {
         "BARRIER": "__syncthreads()",
         "LANE_OFFSET": "int",
         "XOR_SHUFFLE(": "__shfl_xor_sync(0xffffffffu, ",
+        "LANE_SHUFFLE(": "__shfl_sync(0xffffffffu, ",
+        "FLOAT4(": "make_float4(",
+        "STORE4(": "__stcs(",  # a float4 store, evict-first
         "WARP_SYNC": "__syncwarp()",
         "KERNEL_FN ": "__device__ __forceinline__ ",  # a header's helper function
         "THREAD ": "",  # the address space of a thread's own arrays
@@ -83,6 +86,9 @@ _SPELLINGS = {
         "BARRIER": "threadgroup_barrier(mem_flags::mem_threadgroup)",
         "LANE_OFFSET": "ushort",
         "XOR_SHUFFLE(": "simd_shuffle_xor(",
+        "LANE_SHUFFLE(": "simd_shuffle(",
+        "FLOAT4(": "float4(",
+        "STORE4(": "store4(",
         "WARP_SYNC": "simdgroup_barrier(mem_flags::mem_threadgroup)",
         "expf(": "exp(",
         "logf(": "log(",

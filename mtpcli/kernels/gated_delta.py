@@ -99,6 +99,17 @@ _TEMPLATE = """
     // The state is read through its strides: after a rollback it is a view into the last
     // verify's per-step states, and a fresh cache's zeros may be a broadcast.
     float s[R][NPT];
+    // A lane's NPT columns of a state row into an output (16-byte aligned: a multiple of 4
+    // columns into rows of Dk), as 16-byte stores where NPT allows: streaming ones on CUDA
+    // (the next reader is the next step's launch, after the weights have gone through L2).
+    #define STORE_ROW(dst, src) \
+      if (NPT % 4 == 0) { \
+        for (int i = 0; i < NPT; i += 4) \
+          STORE4((DEVICE float4*)((dst) + i), \
+                 FLOAT4((src)[i], (src)[i + 1], (src)[i + 2], (src)[i + 3])); \
+      } else { \
+        for (int i = 0; i < NPT; ++i) (dst)[i] = (src)[i]; \
+      }
     for (int r = 0; r < R; ++r) {
       DEVICE const float* s_in = state_in + b * state_in_strides[0] + hv * state_in_strides[1]
           + (dv + r) * state_in_strides[2] + lane * NPT * state_in_strides[3];
@@ -107,10 +118,11 @@ _TEMPLATE = """
     SHARED float qk_sh[CH][2][Dk];  // a chunk's normalised q (0) and k (1)
     SHARED float gb_sh[CH][2];  // a chunk's decay (0) and beta (1)
     CONV_COPY
-    float xv[R];
-    for (int r = 0; r < R; ++r) V_LOAD(xv[r], r, 0);
+    static_assert(CH * R <= 32, "a chunk's value inputs are loaded by the lanes of one warp");
+    float xin = 0.0f;  // lane l < C R: value row l % R's input at the chunk's step l / R
     for (int t0 = 0; t0 < T; t0 += CH) {
       const int C = min(CH, T - t0);
+      if (lane < C * R) V_LOAD(xin, lane % R, t0 + lane / R);
       if (t0 > 0) {
         BARRIER;  // every warp is done with the last chunk
       }
@@ -132,15 +144,13 @@ _TEMPLATE = """
       BARRIER;
       for (int j = 0; j < C; ++j) {
         const int t = t0 + j;
-        float qn[NPT], kn[NPT], vt[R];
+        float qn[NPT], kn[NPT], xv[R], vt[R];
         for (int i = 0; i < NPT; ++i) {
           qn[i] = qk_sh[j][0][lane * NPT + i];
           kn[i] = qk_sh[j][1][lane * NPT + i];
         }
+        for (int r = 0; r < R; ++r) xv[r] = LANE_SHUFFLE(xin, LANE_OFFSET(j * R + r));
         V_TAKE
-        if (t + 1 < T) {  // the next step's v, loaded while this step runs
-          for (int r = 0; r < R; ++r) V_LOAD(xv[r], r, t + 1);
-        }
         const float gt = gb_sh[j][0], bt = gb_sh[j][1];
         float kv[R], o[R];
         for (int r = 0; r < R; ++r) {
@@ -172,7 +182,7 @@ _TEMPLATE = """
     }
     for (int r = 0; r < R; ++r) {
       DEVICE float* s_out = state_out + ((size_t)n * Dv + dv + r) * Dk + lane * NPT;
-      for (int i = 0; i < NPT; ++i) s_out[i] = s[r][i];
+      STORE_ROW(s_out, s[r]);
     }
 """
 
@@ -195,7 +205,7 @@ _THREAD_INDICES = {
 _KEEP = """if (t + 1 < T) {
           for (int r = 0; r < R; ++r) {
             DEVICE float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv + r) * Dk + lane * NPT;
-            for (int i = 0; i < NPT; ++i) s_t[i] = s[r][i];
+            STORE_ROW(s_t, s[r]);
           }
         }"""
 # g_/b_ and gs/bs name the two gate inputs and their time strides; GATES makes the decay gt
@@ -331,6 +341,9 @@ def _source(metal: bool, keep: bool, raw: bool, conv: bool = False) -> str:
     return spell(source.replace("THREAD_INDICES", _THREAD_INDICES[metal]), metal)
 
 
+# CUDA's STORE4 is its __stcs; Metal has no store hints.
+_METAL_HEADER = "inline void store4(device float4* p, float4 v) { *p = v; }\n"
+
 # The conv variant takes 109-115 registers unbounded: 2 threadgroups of 8 warps a
 # multiprocessor, 264 on the H200, fewer than a 27B layer's 384 (B = 1). Bounded to 3 (396),
 # ptxas fits it in 72-78 without spills (tests/test_cuda_compile.py), and a layer's
@@ -341,7 +354,7 @@ CONV_MIN_BLOCKS = 3
 def _spec(metal: bool, keep: bool, raw: bool, conv: bool = False) -> dict:
     """The arguments both backends' kernel factories take, for one variant."""
     source = _source(metal, keep, raw, conv)
-    header = launch_bounds(_WARPS, CONV_MIN_BLOCKS) if conv and not metal else ""
+    header = _METAL_HEADER if metal else launch_bounds(_WARPS, CONV_MIN_BLOCKS) if conv else ""
     kind = "_conv" if conv else "_raw" if raw else ""
     return {
         "name": kernel_name(f"mtp_gated_delta{kind}{'_keep' if keep else ''}", source, header),
