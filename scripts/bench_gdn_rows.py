@@ -1,6 +1,6 @@
 """The gated-delta kernel at each number of value rows per warp, side by side.
 
-    python scripts/bench_gdn_rows.py --rows 1 2 4 8 --repeats 25 --out DIR
+    python scripts/bench_gdn_rows.py --rows 2 4 --repeats 25 --out DIR
     ncu --csv --metrics gpu__time_duration.sum -k regex:gated_delta \
         python scripts/bench_gdn_rows.py --launches-only
     git show REV:mtpcli/kernels/gated_delta.py > /tmp/gd_rev.py
@@ -120,7 +120,7 @@ def launches_only(rows: list[int], ts: list[int], modules: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--rows", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--ts", type=int, nargs="+", default=[1, 2, 3, 4, 8])
     ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--launches-only", action="store_true")

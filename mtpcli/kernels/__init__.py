@@ -74,8 +74,7 @@ _SPELLINGS = {
         "LANE_OFFSET": "int",
         "XOR_SHUFFLE(": "__shfl_xor_sync(0xffffffffu, ",
         "LANE_SHUFFLE(": "__shfl_sync(0xffffffffu, ",
-        "FLOAT4(": "make_float4(",
-        "STORE4(": "__stcs(",  # a float4 store, evict-first
+        "STORE1(": "__stcs(",  # a float store, evict-first
         "WARP_SYNC": "__syncwarp()",
         "KERNEL_FN ": "__device__ __forceinline__ ",  # a header's helper function
         "THREAD ": "",  # the address space of a thread's own arrays
@@ -87,8 +86,7 @@ _SPELLINGS = {
         "LANE_OFFSET": "ushort",
         "XOR_SHUFFLE(": "simd_shuffle_xor(",
         "LANE_SHUFFLE(": "simd_shuffle(",
-        "FLOAT4(": "float4(",
-        "STORE4(": "store4(",
+        "STORE1(": "store1(",
         "WARP_SYNC": "simdgroup_barrier(mem_flags::mem_threadgroup)",
         "expf(": "exp(",
         "logf(": "log(",

@@ -72,8 +72,12 @@ def _no_states(state: mx.array) -> mx.array:
 
 # T and B are read from k's shape at run time, so one compiled variant serves every block and
 # prompt length. A threadgroup is WARPS warps (CUDA) / SIMD-groups (Metal) of one head, each
-# warp R value rows: lane l holds Dk/32 state columns of each row; the dot products are
-# butterfly reductions over the 32 lanes in a fixed order, the R rows' reductions interleaved.
+# warp R value rows (R even): the warp's two halves hold R/2 rows each, side by side, lane l
+# of a half holding columns l, l + 16, ... of each of its half's rows; the dot products are
+# butterfly reductions over the 16 lanes of a half in a fixed order, so one shuffle serves two
+# rows, the RH rows' reductions interleaved. A half's lanes read a step's q and k from 16
+# consecutive words of shared memory (no bank conflicts) and write a state row's columns as
+# 64 consecutive bytes.
 # The steps go in chunks of up to CH: a chunk's q/k normalisation and gates do not depend on
 # the state, so the threadgroup makes them once, spread over its warps, into shared memory,
 # and every warp's steps read them there (made in each warp, they were about half of a step's
@@ -84,7 +88,11 @@ def _no_states(state: mx.array) -> mx.array:
 # decay g and beta; the "raw" one reads the layer's raw q/k, a and b and computes normalize_qk,
 # compute_g and sigmoid(b) itself (saving seven launches per layer per step).
 _TEMPLATE = """
-    constexpr int NPT = Dk / 32;
+    constexpr int NPT = Dk / 32;  // a lane's columns of a q/k row (all 32 lanes make one)
+    constexpr int LH = 16;  // a state row's lanes: half a warp
+    constexpr int SPL = Dk / LH;  // a lane's columns of a state row, LH apart
+    constexpr int RH = R / 2;  // a lane's state rows: its half's
+    static_assert(R % 2 == 0, "a warp's two halves hold as many rows");
     constexpr int CH = 8;
     static_assert(CH <= 32, "a chunk's gates are made by the lanes of one warp");
     const int B = TIMED_shape[0];
@@ -98,22 +106,16 @@ _TEMPLATE = """
     GATE_INPUTS
     // The state is read through its strides: after a rollback it is a view into the last
     // verify's per-step states, and a fresh cache's zeros may be a broadcast.
-    float s[R][NPT];
-    // A lane's NPT columns of a state row into an output (16-byte aligned: a multiple of 4
-    // columns into rows of Dk), as 16-byte stores where NPT allows: streaming ones on CUDA
-    // (the next reader is the next step's launch, after the weights have gone through L2).
-    #define STORE_ROW(dst, src) \
-      if (NPT % 4 == 0) { \
-        for (int i = 0; i < NPT; i += 4) \
-          STORE4((DEVICE float4*)((dst) + i), \
-                 FLOAT4((src)[i], (src)[i + 1], (src)[i + 2], (src)[i + 3])); \
-      } else { \
-        for (int i = 0; i < NPT; ++i) (dst)[i] = (src)[i]; \
-      }
-    for (int r = 0; r < R; ++r) {
+    const int half = lane / LH, hl = lane % LH;  // the lane's half and its lane there
+    const int dh = dv + half * RH;  // the half's first row
+    float s[RH][SPL];
+    // A lane's columns of a state row into an output, evict-first on CUDA (the next reader
+    // is the next step's launch, after the weights have gone through L2).
+    #define STORE_ROW(dst, src) for (int i = 0; i < SPL; ++i) STORE1((dst) + i * LH, (src)[i]);
+    for (int r = 0; r < RH; ++r) {
       DEVICE const float* s_in = state_in + b * state_in_strides[0] + hv * state_in_strides[1]
-          + (dv + r) * state_in_strides[2] + lane * NPT * state_in_strides[3];
-      for (int i = 0; i < NPT; ++i) s[r][i] = s_in[i * state_in_strides[3]];
+          + (dh + r) * state_in_strides[2] + hl * state_in_strides[3];
+      for (int i = 0; i < SPL; ++i) s[r][i] = s_in[i * LH * state_in_strides[3]];
     }
     SHARED float qk_sh[CH][2][Dk];  // a chunk's normalised q (0) and k (1)
     SHARED float gb_sh[CH][2];  // a chunk's decay (0) and beta (1)
@@ -144,44 +146,44 @@ _TEMPLATE = """
       BARRIER;
       for (int j = 0; j < C; ++j) {
         const int t = t0 + j;
-        float qn[NPT], kn[NPT], xv[R], vt[R];
-        for (int i = 0; i < NPT; ++i) {
-          qn[i] = qk_sh[j][0][lane * NPT + i];
-          kn[i] = qk_sh[j][1][lane * NPT + i];
+        float qn[SPL], kn[SPL], xv[RH], vt[RH];
+        for (int i = 0; i < SPL; ++i) {
+          qn[i] = qk_sh[j][0][i * LH + hl];
+          kn[i] = qk_sh[j][1][i * LH + hl];
         }
-        for (int r = 0; r < R; ++r) xv[r] = LANE_SHUFFLE(xin, LANE_OFFSET(j * R + r));
+        for (int r = 0; r < RH; ++r) xv[r] = LANE_SHUFFLE(xin, LANE_OFFSET(j * R + half * RH + r));
         V_TAKE
         const float gt = gb_sh[j][0], bt = gb_sh[j][1];
-        float kv[R], o[R];
-        for (int r = 0; r < R; ++r) {
+        float kv[RH], o[RH];
+        for (int r = 0; r < RH; ++r) {
           kv[r] = 0.0f;
-          for (int i = 0; i < NPT; ++i) {
+          for (int i = 0; i < SPL; ++i) {
             s[r][i] = s[r][i] * gt;
             kv[r] = kv[r] + s[r][i] * kn[i];
           }
         }
-        for (LANE_OFFSET off = 16; off > 0; off >>= 1) {
-          for (int r = 0; r < R; ++r) kv[r] = kv[r] + XOR_SHUFFLE(kv[r], off);
+        for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {
+          for (int r = 0; r < RH; ++r) kv[r] = kv[r] + XOR_SHUFFLE(kv[r], off);
         }
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < RH; ++r) {
           const float delta = (vt[r] - kv[r]) * bt;
           o[r] = 0.0f;
-          for (int i = 0; i < NPT; ++i) {
+          for (int i = 0; i < SPL; ++i) {
             s[r][i] = s[r][i] + kn[i] * delta;
             o[r] = o[r] + s[r][i] * qn[i];
           }
         }
-        for (LANE_OFFSET off = 16; off > 0; off >>= 1) {
-          for (int r = 0; r < R; ++r) o[r] = o[r] + XOR_SHUFFLE(o[r], off);
+        for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {
+          for (int r = 0; r < RH; ++r) o[r] = o[r] + XOR_SHUFFLE(o[r], off);
         }
-        if (lane == 0) {
-          for (int r = 0; r < R; ++r) y_[t * Hv * Dv + r] = static_cast<InT>(o[r]);
+        if (hl == 0) {
+          for (int r = 0; r < RH; ++r) y_[t * Hv * Dv + half * RH + r] = static_cast<InT>(o[r]);
         }
         KEEP_STATES
       }
     }
-    for (int r = 0; r < R; ++r) {
-      DEVICE float* s_out = state_out + ((size_t)n * Dv + dv + r) * Dk + lane * NPT;
+    for (int r = 0; r < RH; ++r) {
+      DEVICE float* s_out = state_out + ((size_t)n * Dv + dh + r) * Dk + hl;
       STORE_ROW(s_out, s[r]);
     }
 """
@@ -203,8 +205,8 @@ _THREAD_INDICES = {
 # the store after each step but the last (which is state_out) is spliced in, so both variants
 # run the same arithmetic.
 _KEEP = """if (t + 1 < T) {
-          for (int r = 0; r < R; ++r) {
-            DEVICE float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dv + r) * Dk + lane * NPT;
+          for (int r = 0; r < RH; ++r) {
+            DEVICE float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dh + r) * Dk + hl;
             STORE_ROW(s_t, s[r]);
           }
         }"""
@@ -257,7 +259,7 @@ _READ = {
         const auto st = isq ? q_strides[3] : k_strides[3];
         for (int i = 0; i < NPT; ++i) x[i] = static_cast<float>(src[i * st]);""",
     "CONV_COPY": "",
-    "V_TAKE": "for (int r = 0; r < R; ++r) vt[r] = xv[r];",
+    "V_TAKE": "for (int r = 0; r < RH; ++r) vt[r] = xv[r];",
 }
 # The "conv" variant (a raw one) reads the input projection's qkv [B, T, NC], the conv window
 # [B, CK-1, NC] and the conv weight [NC, CK] instead, and makes each q, k and v value with the
@@ -308,13 +310,14 @@ _CONV_READ = {
         CONV_KEEP(c, u / (2 * Dk));
       }
     }
-    float vk[R][CK], vw[R][CK];  // value rows' conv weights, and inputs from step t - TW
-    for (int r = 0; r < R; ++r) {
-      for (int k = 0; k < CK; ++k) vk[r][k] = static_cast<float>(conv_w[(cv + r) * CK + k]);
-      for (int k = 0; k < TW; ++k) vw[r][k] = static_cast<float>(CONV_IN(cv + r, k - TW));
+    float vk[RH][CK], vw[RH][CK];  // the lane's rows' conv weights, inputs from step t - TW
+    for (int r = 0; r < RH; ++r) {
+      const int c = cv + half * RH + r;
+      for (int k = 0; k < CK; ++k) vk[r][k] = static_cast<float>(conv_w[c * CK + k]);
+      for (int k = 0; k < TW; ++k) vw[r][k] = static_cast<float>(CONV_IN(c, k - TW));
     }""",
     # step t's value inputs (loaded during step t - 1) through the conv, the window slid on
-    "V_TAKE": """for (int r = 0; r < R; ++r) {
+    "V_TAKE": """for (int r = 0; r < RH; ++r) {
           vw[r][TW] = xv[r];
           float acc_ = 0.0f;
           for (int k = 0; k < CK; ++k) acc_ = acc_ + vk[r][k] * vw[r][k];
@@ -341,8 +344,8 @@ def _source(metal: bool, keep: bool, raw: bool, conv: bool = False) -> str:
     return spell(source.replace("THREAD_INDICES", _THREAD_INDICES[metal]), metal)
 
 
-# CUDA's STORE4 is its __stcs; Metal has no store hints.
-_METAL_HEADER = "inline void store4(device float4* p, float4 v) { *p = v; }\n"
+# CUDA's STORE1 is its __stcs; Metal has no store hints.
+_METAL_HEADER = "inline void store1(device float* p, float v) { *p = v; }\n"
 
 # The conv variant takes 109-115 registers unbounded: 2 threadgroups of 8 warps a
 # multiprocessor, 264 on the H200, fewer than a 27B layer's 384 (B = 1). Bounded to 3 (396),
@@ -390,19 +393,17 @@ def _kernel(keep: bool, raw: bool = False, conv: bool = False):
                  lambda: _build_metal(keep, raw, conv))  # fmt: skip
 
 
-# Value rows per warp: a warp interleaves its rows' reductions; fewer rows, more warps to hide
-# the steps' latency. With the q/k and gates made once per threadgroup, 2 rows beat 4 and 1 at
-# every T on the H200 (docs/benchmark_results/README.md, session 11).
+# Value rows per warp, one a half-warp: with the q/k and gates made once per threadgroup, 2
+# rows a warp (then of 32 lanes each) beat 4 and 1 at every T on the H200 (session 11); a row
+# a half-warp (2 a warp) took 10.2 us for a T = 3 block with states against 10.5 with a row
+# over all 32 lanes, and 7.8 against 8.5 at T = 1 (session 26). At most 4: a chunk's value
+# inputs are loaded one a lane.
 _ROWS = 2
 # A threadgroup: its warps share one chunk's q/k normalisation and gates (with the conv folded
 # in, convolved too), which every threadgroup of the key head makes again: 8 warps make them
 # half as often as 4, and a T = 3 block with states took 11.0 us against 12.8 on the H200
 # (T = 1 8.7 against 8.5; session 25).
 _WARPS = 8
-
-
-def _rows(Dv: int) -> int:
-    return _ROWS if Dv % (_WARPS * _ROWS) == 0 else 1
 
 
 def _geometry(B: int, Hv: int, Dv: int, R: int) -> tuple[tuple, tuple]:
@@ -415,7 +416,7 @@ def _launch(kernel, inputs: list, dims: tuple, dtype, keep_states: bool, extra_t
     """One launch for dims (B, T, Hk, Dk, Hv, Dv): y, the final state, the per-step states
     where kept, and with ``conv_width`` the conv's window and inputs and new window."""
     B, T, Hk, Dk, Hv, Dv = dims
-    R = _rows(Dv)
+    R = _ROWS
     grid, threadgroup = _geometry(B, Hv, Dv, R)
     shapes = [(B, T, Hv, Dv), (B, Hv, Dv, Dk)] + ([(T - 1, B, Hv, Dv, Dk)] if keep_states else [])
     dtypes = [dtype] + [mx.float32] * (len(shapes) - 1)
@@ -643,7 +644,7 @@ def _self_check_conv(dtype, heads: tuple, K: int, w_dtype, gate_dtypes) -> str |
 
 
 def _native_dims(Hk: int, Dk: int, Hv: int, Dv: int) -> bool:
-    return backend() != "cpu" and Dk % 32 == 0 and Hv % Hk == 0 and Dv % _WARPS == 0
+    return backend() != "cpu" and Dk % 32 == 0 and Hv % Hk == 0 and Dv % (_WARPS * _ROWS) == 0
 
 
 def _native_shape(k, v) -> bool:
