@@ -56,7 +56,14 @@ static float __shfl_sync(unsigned, float v, int src) {  // lane src's v; every l
   warp_wait();
   return r;
 }
+struct float4 {
+  float x, y, z, w;
+  float4() = default;
+  float4(float x_, float y_, float z_, float w_) : x(x_), y(y_), z(z_), w(w_) {}  // Metal's
+};
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 static inline void __stcs(float* p, float v) { *p = v; }
+static inline void __stcs(float4* p, float4 v) { *p = v; }
 static inline void __syncwarp() { warp_wait(); }
 static inline void simdgroup_barrier(int) { warp_wait(); }
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }

@@ -814,7 +814,8 @@ def test_emulated_folded_conv_kernel_matches_the_reference(metal, T, keep):
 def test_emulated_folded_conv_kernel_covers_wide_key_heads(metal):
     """Key heads wider than a threadgroup (Dk 128): their q and k channels' conv inputs are
     written by two value heads' threadgroups, each its share; a lane's 8 columns of a state
-    row, 16 apart, go out where they belong (stored as if adjacent, they are caught)."""
+    row, two runs of 4, go out as 16-byte stores where they belong (a store that swaps the
+    runs is caught)."""
     heads = (1, 128, 2, 16)
     x = _conv_layer_inputs(3, seed=5, heads=heads)
     source = gd._source(metal, True, True, conv=True)
@@ -822,8 +823,8 @@ def test_emulated_folded_conv_kernel_covers_wide_key_heads(metal):
     got = _emulate_conv(x, True, heads=heads, source=source, metal=metal)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
-    assert "(dst) + i * LH" in source
-    broken = source.replace("(dst) + i * LH", "(dst) + i")
+    assert "(dst) + COL(i)" in source
+    broken = source.replace("(dst) + COL(i)", "(dst) + COL(i ^ 4)")
     got = _emulate_conv(x, True, heads=heads, source=broken, metal=metal)
     assert not np.allclose(got[1], want[1], rtol=1e-4, atol=1e-5)  # the final state
 

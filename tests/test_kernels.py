@@ -166,7 +166,7 @@ def test_metal_source_mirrors_cuda_line_by_line(keep, raw, conv):
         ("ushort off", "int off"), ("ushort(", "int("),
         ("simd_shuffle_xor(", "__shfl_xor_sync(0xffffffffu, "),
         ("simd_shuffle(", "__shfl_sync(0xffffffffu, "),
-        ("store1(", "__stcs("),
+        ("store1(", "__stcs("), ("store4(", "__stcs("), ("float4(", "make_float4("),
         ("rsqrt(", "rsqrtf("), ("exp(", "expf("), ("log(", "logf("), ("fmax(", "fmaxf("),
         ("fabs(", "fabsf("),
     ]  # fmt: skip

@@ -75,6 +75,8 @@ _SPELLINGS = {
         "XOR_SHUFFLE(": "__shfl_xor_sync(0xffffffffu, ",
         "LANE_SHUFFLE(": "__shfl_sync(0xffffffffu, ",
         "STORE1(": "__stcs(",  # a float store, evict-first
+        "STORE4(": "__stcs(",  # a float4 store, evict-first
+        "FLOAT4(": "make_float4(",
         "WARP_SYNC": "__syncwarp()",
         "KERNEL_FN ": "__device__ __forceinline__ ",  # a header's helper function
         "THREAD ": "",  # the address space of a thread's own arrays
@@ -87,6 +89,8 @@ _SPELLINGS = {
         "XOR_SHUFFLE(": "simd_shuffle_xor(",
         "LANE_SHUFFLE(": "simd_shuffle(",
         "STORE1(": "store1(",
+        "STORE4(": "store4(",
+        "FLOAT4(": "float4(",
         "WARP_SYNC": "simdgroup_barrier(mem_flags::mem_threadgroup)",
         "expf(": "exp(",
         "logf(": "log(",

@@ -73,11 +73,11 @@ def _no_states(state: mx.array) -> mx.array:
 # T and B are read from k's shape at run time, so one compiled variant serves every block and
 # prompt length. A threadgroup is WARPS warps (CUDA) / SIMD-groups (Metal) of one head, each
 # warp R value rows (R even): the warp's two halves hold R/2 rows each, side by side, lane l
-# of a half holding columns l, l + 16, ... of each of its half's rows; the dot products are
-# butterfly reductions over the 16 lanes of a half in a fixed order, so one shuffle serves two
-# rows, the RH rows' reductions interleaved. A half's lanes read a step's q and k from 16
-# consecutive words of shared memory (no bank conflicts) and write a state row's columns as
-# 64 consecutive bytes.
+# of a half holding Dk/16 columns of each of its half's rows, in runs of 4 (4l..4l+3, then 64
+# further on; COL); the dot products are butterfly reductions over the 16 lanes of a half in a
+# fixed order, so one shuffle serves two rows, the RH rows' reductions interleaved. A lane
+# writes a run as one 16-byte store, and the chunk's q and k sit in shared memory permuted
+# (SH) so that a half's lanes read 16 consecutive words (no bank conflicts).
 # The steps go in chunks of up to CH: a chunk's q/k normalisation and gates do not depend on
 # the state, so the threadgroup makes them once, spread over its warps, into shared memory,
 # and every warp's steps read them there (made in each warp, they were about half of a step's
@@ -90,7 +90,8 @@ def _no_states(state: mx.array) -> mx.array:
 _TEMPLATE = """
     constexpr int NPT = Dk / 32;  // a lane's columns of a q/k row (all 32 lanes make one)
     constexpr int LH = 16;  // a state row's lanes: half a warp
-    constexpr int SPL = Dk / LH;  // a lane's columns of a state row, LH apart
+    constexpr int SPL = Dk / LH;  // a lane's columns of a state row
+    constexpr int VW = SPL % 4 == 0 ? 4 : 1;  // in runs of VW adjacent columns
     constexpr int RH = R / 2;  // a lane's state rows: its half's
     static_assert(R % 2 == 0, "a warp's two halves hold as many rows");
     constexpr int CH = 8;
@@ -107,15 +108,29 @@ _TEMPLATE = """
     // The state is read through its strides: after a rollback it is a view into the last
     // verify's per-step states, and a fresh cache's zeros may be a broadcast.
     const int half = lane / LH, hl = lane % LH;  // the lane's half and its lane there
+    // The column of a lane's i-th: a half's lanes' runs side by side, then the next runs.
+    #define COL(i) (((i) / VW) * (VW * LH) + VW * hl + (i) % VW)
+    // Where column c of a step's q or k sits in shared memory: lane hl's i-th at i LH + hl,
+    // so that a half's lanes read 16 consecutive words (no bank conflicts).
+    #define SH(c) \
+      ((((c) / (VW * LH)) * VW + (c) % VW) * LH + ((c) % (VW * LH)) / VW)
     const int dh = dv + half * RH;  // the half's first row
     float s[RH][SPL];
-    // A lane's columns of a state row into an output, evict-first on CUDA (the next reader
-    // is the next step's launch, after the weights have gone through L2).
-    #define STORE_ROW(dst, src) for (int i = 0; i < SPL; ++i) STORE1((dst) + i * LH, (src)[i]);
+    // A lane's columns of a state row into an output row, a run a 16-byte store where runs
+    // are 4 long (16-byte aligned: rows of Dk), evict-first on CUDA (the next reader is the
+    // next step's launch, after the weights have gone through L2).
+    #define STORE_ROW(dst, src) \
+      if (VW == 4) { \
+        for (int i = 0; i < SPL; i += 4) \
+          STORE4((DEVICE float4*)((dst) + COL(i)), \
+                 FLOAT4((src)[i], (src)[i + 1], (src)[i + 2], (src)[i + 3])); \
+      } else { \
+        for (int i = 0; i < SPL; ++i) STORE1((dst) + COL(i), (src)[i]); \
+      }
     for (int r = 0; r < RH; ++r) {
       DEVICE const float* s_in = state_in + b * state_in_strides[0] + hv * state_in_strides[1]
-          + (dh + r) * state_in_strides[2] + hl * state_in_strides[3];
-      for (int i = 0; i < SPL; ++i) s[r][i] = s_in[i * LH * state_in_strides[3]];
+          + (dh + r) * state_in_strides[2];
+      for (int i = 0; i < SPL; ++i) s[r][i] = s_in[COL(i) * state_in_strides[3]];
     }
     SHARED float qk_sh[CH][2][Dk];  // a chunk's normalised q (0) and k (1)
     SHARED float gb_sh[CH][2];  // a chunk's decay (0) and beta (1)
@@ -134,7 +149,7 @@ _TEMPLATE = """
         float x[NPT];
         QK_LOAD
         QK
-        for (int i = 0; i < NPT; ++i) qk_sh[j][isq ? 0 : 1][lane * NPT + i] = x[i];
+        for (int i = 0; i < NPT; ++i) qk_sh[j][isq ? 0 : 1][SH(lane * NPT + i)] = x[i];
       }
       if (warp == WARPS - 1 && lane < C) {
         const float gx = static_cast<float>(g_[(t0 + lane) * gs]);
@@ -183,7 +198,7 @@ _TEMPLATE = """
       }
     }
     for (int r = 0; r < RH; ++r) {
-      DEVICE float* s_out = state_out + ((size_t)n * Dv + dh + r) * Dk + hl;
+      DEVICE float* s_out = state_out + ((size_t)n * Dv + dh + r) * Dk;
       STORE_ROW(s_out, s[r]);
     }
 """
@@ -206,7 +221,7 @@ _THREAD_INDICES = {
 # run the same arithmetic.
 _KEEP = """if (t + 1 < T) {
           for (int r = 0; r < RH; ++r) {
-            DEVICE float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dh + r) * Dk + hl;
+            DEVICE float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dh + r) * Dk;
             STORE_ROW(s_t, s[r]);
           }
         }"""
@@ -344,8 +359,10 @@ def _source(metal: bool, keep: bool, raw: bool, conv: bool = False) -> str:
     return spell(source.replace("THREAD_INDICES", _THREAD_INDICES[metal]), metal)
 
 
-# CUDA's STORE1 is its __stcs; Metal has no store hints.
-_METAL_HEADER = "inline void store1(device float* p, float v) { *p = v; }\n"
+# CUDA's STORE1 and STORE4 are its __stcs; Metal has no store hints.
+_METAL_HEADER = """inline void store1(device float* p, float v) { *p = v; }
+inline void store4(device float4* p, float4 v) { *p = v; }
+"""
 
 # The conv variant takes 109-115 registers unbounded: 2 threadgroups of 8 warps a
 # multiprocessor, 264 on the H200, fewer than a 27B layer's 384 (B = 1). Bounded to 3 (396),
