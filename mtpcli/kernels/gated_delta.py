@@ -331,7 +331,8 @@ _CONV_READ = {
       for (int k = 0; k < CK; ++k) vk[r][k] = static_cast<float>(conv_w[c * CK + k]);
       for (int k = 0; k < TW; ++k) vw[r][k] = static_cast<float>(CONV_IN(c, k - TW));
     }""",
-    # step t's value inputs (loaded during step t - 1) through the conv, the window slid on
+    # step t's value inputs (loaded with the chunk's, handed out by a shuffle) through the
+    # conv, the window slid on
     "V_TAKE": """for (int r = 0; r < RH; ++r) {
           vw[r][TW] = xv[r];
           float acc_ = 0.0f;
@@ -410,7 +411,7 @@ def _kernel(keep: bool, raw: bool = False, conv: bool = False):
                  lambda: _build_metal(keep, raw, conv))  # fmt: skip
 
 
-# Value rows per warp, one a half-warp: with the q/k and gates made once per threadgroup, 2
+# Value rows per warp (R/2 a half-warp): with the q/k and gates made once per threadgroup, 2
 # rows a warp (then of 32 lanes each) beat 4 and 1 at every T on the H200 (session 11); a row
 # a half-warp (2 a warp) took 10.2 us for a T = 3 block with states against 10.5 with a row
 # over all 32 lanes, and 7.8 against 8.5 at T = 1 (session 26). At most 4: a chunk's value
