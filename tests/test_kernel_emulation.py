@@ -66,7 +66,7 @@ def _emulate(x: dict, keep: bool, rows: int | None = None, source: str | None = 
         outputs,
         {"Dk": DK, "Dv": dv, "Hk": HK, "Hv": HV, "R": rows, "WARPS": gd._WARPS},
         *gd._geometry(1, HV, dv, rows),
-        header=gd._METAL_HEADER if metal else "",
+        header=gd._spec(True, keep, raw)["header"] if metal else "",  # what the Metal build gets
     )
     return list(out.values())
 
@@ -786,7 +786,7 @@ def _emulate_conv(x: dict, keep: bool, heads=(HK, DK, HV, DV), source: str | Non
         outputs,
         {"Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "R": rows, "WARPS": gd._WARPS, "CK": K},
         *gd._geometry(1, hv, dv, rows),
-        header=gd._METAL_HEADER if metal else "",
+        header=gd._spec(True, keep, True, conv=True)["header"] if metal else "",
     )
     return list(out.values())
 
