@@ -161,33 +161,13 @@ def sweep(dump: Path | None = None) -> None:
 
 def steps(ts: list[int]) -> None:
     """REPEATS steps of each T of the 27B-shape 4-bit model under the profiler (see above)."""
-    import ctypes
+    from profile_step import _setup  # a sibling script: its warmed-up step
 
     from mtpcli import synthetic
-    from mtpcli.engine.sampling import positions
-    from mtpcli.models import qwen3_5 as tm
 
     target, _ = synthetic.build("qwen3.8-27b", bits=4)
-    cuda = ctypes.CDLL("libcuda.so.1")
     for T in ts:
-        cache = target.make_cache()
-        target.prefill(mx.random.randint(0, 1000, (1, 64)), cache)
-        tokens = mx.random.randint(0, 1000, (1, T))
-
-        def step(T=T, cache=cache, tokens=tokens):
-            out = target.forward(tokens, cache, verify=T > 1)
-            mx.eval(mx.argmax(positions(target.lm_head(out.hidden)), axis=-1))
-            if T > 1:  # back to the first of the T positions: the cache's length stays fixed
-                tm.rollback(cache, out.traces, 1, T)
-
-        for _ in range(5):  # trace, self-check, warm up
-            step()
-        mx.synchronize()
-        cuda.cuProfilerStart()
-        for _ in range(REPEATS):
-            step()
-        mx.synchronize()
-        cuda.cuProfilerStop()
+        profiled(_setup(T, target=target), REPEATS)
     layers = sum(1 for layer in target.layers if layer.is_linear)
     print(json.dumps({"steps": ts, "launches_per_step": layers}))
 

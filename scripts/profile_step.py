@@ -55,8 +55,11 @@ KINDS = (  # substring of a kernel's name -> what it is; the first match wins
 )
 
 
-def _setup(t: int, shape: str = "qwen3.8-27b"):
-    target, _ = synthetic.build(shape, bits=4)
+def _setup(t: int, shape: str = "qwen3.8-27b", target=None):
+    """A warmed-up step of t tokens after a 64-token prompt, of ``target`` (by default a new
+    random-weight model of ``shape``, 4-bit)."""
+    if target is None:
+        target, _ = synthetic.build(shape, bits=4)
     cache = target.make_cache()
     target.prefill(mx.random.randint(0, 1000, (1, 64)), cache)
     tokens = mx.random.randint(0, 1000, (1, t))

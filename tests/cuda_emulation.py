@@ -42,19 +42,15 @@ struct Row {  // the x threads of one (y, z) of a threadgroup
 };
 thread_local Row* row_;
 static inline void warp_wait() { row_->warps[threadIdx.x >> 5].arrive_and_wait(); }
-static float __shfl_xor_sync(unsigned, float v, int off) {  // every lane of the warp calls it
-  row_->buf[threadIdx.x] = v;
-  warp_wait();
-  const float r = row_->buf[(threadIdx.x & ~31) | ((threadIdx.x & 31) ^ off)];
-  warp_wait();
-  return r;
-}
 static float __shfl_sync(unsigned, float v, int src) {  // lane src's v; every lane calls it
   row_->buf[threadIdx.x] = v;
   warp_wait();
   const float r = row_->buf[(threadIdx.x & ~31) | (src & 31)];
   warp_wait();
   return r;
+}
+static inline float __shfl_xor_sync(unsigned, float v, int off) {
+  return __shfl_sync(0u, v, (threadIdx.x & 31) ^ off);
 }
 struct float4 {
   float x, y, z, w;
