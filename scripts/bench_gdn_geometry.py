@@ -78,14 +78,23 @@ def _inputs(T: int) -> tuple:
 
 
 def use_module(path: Path):
-    """``path``, another version of the gated-delta module, installed in its place (before
-    the model is imported, which then takes it too)."""
+    """``path``, another version of the gated-delta module, installed in its place: later
+    imports take it, and so do the names already imported from the old one (the model's
+    ``gated_delta_conv``, imported here through bench_qmm before any option is read)."""
     global gd
+    old = sys.modules.get("mtpcli.kernels.gated_delta")
     spec = importlib.util.spec_from_file_location("mtpcli.kernels.gated_delta", path)
     gd = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = gd
     spec.loader.exec_module(gd)
     mtpcli.kernels.gated_delta = gd
+    names = {id(v): k for k, v in vars(old).items()} if old is not None else {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("mtpcli") or module in (gd, old):
+            continue
+        for attr, value in list(vars(module).items()):
+            if id(value) in names and hasattr(gd, names[id(value)]):
+                setattr(module, attr, getattr(gd, names[id(value)]))
     return gd
 
 
@@ -159,17 +168,23 @@ def sweep(dump: Path | None = None) -> None:
     print(json.dumps({"order": order, "bitwise_vs_first": bitwise, "checks": checks}))
 
 
-def steps(ts: list[int]) -> None:
-    """REPEATS steps of each T of the 27B-shape 4-bit model under the profiler (see above)."""
+def steps(ts: list[int], n_keep: int = 1) -> None:
+    """REPEATS steps of each T of the 27B-shape 4-bit model under the profiler (see above),
+    each verify rolled back to ``n_keep`` positions (with the lazy rollback, the next one
+    redoes n_keep - 1 pending steps)."""
     from profile_step import _setup  # a sibling script: its warmed-up step
 
     from mtpcli import synthetic
+    from mtpcli.models import qwen3_5 as tm
 
+    if tm.gated_delta_conv is not gd.gated_delta_conv:
+        raise SystemExit("the model does not run this gated-delta module")
     target, _ = synthetic.build("qwen3.8-27b", bits=4)
     for T in ts:
-        profiled(_setup(T, target=target), REPEATS)
+        profiled(_setup(T, target=target, n_keep=min(n_keep, T)), REPEATS)
     layers = sum(1 for layer in target.layers if layer.is_linear)
-    print(json.dumps({"steps": ts, "launches_per_step": layers}))
+    print(json.dumps({"steps": ts, "launches_per_step": layers, "n_keep": n_keep,
+                      "lazy_rollback": target.lazy_rollback}))  # fmt: skip
 
 
 def step_summary(meta: dict, us: list[float]) -> dict:
@@ -246,6 +261,12 @@ def main() -> None:
         help="profile REPEATS real steps of each T instead of the sweep",
     )
     ap.add_argument(
+        "--keep",
+        type=int,
+        default=1,
+        help="with --step: roll each verify back to this many positions (default 1)",
+    )
+    ap.add_argument(
         "--module",
         type=Path,
         default=None,
@@ -286,7 +307,7 @@ def main() -> None:
         sys.argv = rest
         runpy.run_path(rest[0], run_name="__main__")
     elif args.step:
-        steps(args.step)
+        steps(args.step, args.keep)
     else:
         sweep(args.dump)
 
