@@ -57,8 +57,7 @@ def step_nodes(target, prompt: list[int], warm: int = 6) -> dict:
 
     def verify():
         out = target.forward(block, cache, verify=True)
-        traces = [x for t in out.traces if t is not None
-                  for x in (t.conv_input, *(t.steps or (t.states,)))]  # fmt: skip
+        traces = [x for t in out.traces if t is not None for x in (t.conv_input, t.states)]
         return [target.lm_head(out.hidden, exact=True), *traces]
 
     for _ in range(warm):

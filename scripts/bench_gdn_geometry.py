@@ -168,10 +168,8 @@ def sweep(dump: Path | None = None) -> None:
     print(json.dumps({"order": order, "bitwise_vs_first": bitwise, "checks": checks}))
 
 
-def steps(ts: list[int], n_keep: int = 1) -> None:
-    """REPEATS steps of each T of the 27B-shape 4-bit model under the profiler (see above),
-    each verify rolled back to ``n_keep`` positions (with the lazy rollback, the next one
-    redoes n_keep - 1 pending steps)."""
+def steps(ts: list[int]) -> None:
+    """REPEATS steps of each T of the 27B-shape 4-bit model under the profiler (see above)."""
     from profile_step import _setup  # a sibling script: its warmed-up step
 
     from mtpcli import synthetic
@@ -181,10 +179,9 @@ def steps(ts: list[int], n_keep: int = 1) -> None:
         raise SystemExit("the model does not run this gated-delta module")
     target, _ = synthetic.build("qwen3.8-27b", bits=4)
     for T in ts:
-        profiled(_setup(T, target=target, n_keep=min(n_keep, T)), REPEATS)
+        profiled(_setup(T, target=target), REPEATS)
     layers = sum(1 for layer in target.layers if layer.is_linear)
-    print(json.dumps({"steps": ts, "launches_per_step": layers, "n_keep": n_keep,
-                      "lazy_rollback": target.lazy_rollback}))  # fmt: skip
+    print(json.dumps({"steps": ts, "launches_per_step": layers}))
 
 
 def step_summary(meta: dict, us: list[float]) -> dict:
@@ -261,12 +258,6 @@ def main() -> None:
         help="profile REPEATS real steps of each T instead of the sweep",
     )
     ap.add_argument(
-        "--keep",
-        type=int,
-        default=1,
-        help="with --step: roll each verify back to this many positions (default 1)",
-    )
-    ap.add_argument(
         "--module",
         type=Path,
         default=None,
@@ -307,7 +298,7 @@ def main() -> None:
         sys.argv = rest
         runpy.run_path(rest[0], run_name="__main__")
     elif args.step:
-        steps(args.step, args.keep)
+        steps(args.step)
     else:
         sweep(args.dump)
 

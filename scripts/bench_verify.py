@@ -116,7 +116,7 @@ def gated_delta_alone(
                                                   heads, keep_states=keep)  # fmt: skip
             else:  # mlx-lm's convolution ops first
                 out = gd._conv_then_delta(cw.conv_silu_ops, ops, qkv, window, conv_w, a, b,
-                                          A_log, dt_bias, s, heads, keep_states=keep)  # fmt: skip
+                                          A_log, dt_bias, s, heads, keep)  # fmt: skip
             return (out[1], out[4]), [x for x in out if x is not None]
         fn = gd.gated_delta_raw_native if native else ops
         out = fn(q, k, v, a, b, A_log, dt_bias, s, keep_states=keep)
@@ -145,16 +145,11 @@ def leave_out(target, cache, T: int, repeats: int, what: str) -> dict:
     if what == "gated_delta":  # with its convolution, which the gated-delta kernel makes
         original, name = tm.gated_delta_conv, "gated_delta_conv"
 
-        def stub(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, *, keep_states=False,
-                 keep_steps=False, pending=None):  # fmt: skip
+        def stub(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, *, keep_states=False):
             B, T, _ = qkv.shape
             y = mx.zeros((B, T, heads[2], heads[3]), qkv.dtype)  # [B, T, Hv, Dv]
             kept = (T - 1, *state.shape)  # the state after each position but the last
             states = mx.broadcast_to(state, kept) if keep_states else None
-            if keep_steps:  # the lazy rollback's: each position's delta, decay and k
-                Hk, Dk, Hv, Dv = heads
-                states = gd.Steps(mx.zeros((T, B, Hv, Dv)), mx.zeros((T, B, Hv)),
-                                  mx.zeros((T, B, Hk, Dk)))  # fmt: skip
             inputs = mx.concatenate([window, qkv], axis=1)  # [B, K-1+T, C]
             return y, state, states, inputs, inputs[:, T:]
     else:

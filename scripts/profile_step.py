@@ -55,10 +55,9 @@ KINDS = (  # substring of a kernel's name -> what it is; the first match wins
 )
 
 
-def _setup(t: int, shape: str = "qwen3.8-27b", target=None, n_keep: int = 1):
+def _setup(t: int, shape: str = "qwen3.8-27b", target=None):
     """A warmed-up step of t tokens after a 64-token prompt, of ``target`` (by default a new
-    random-weight model of ``shape``, 4-bit); a verify (t > 1) rolled back to its first
-    ``n_keep`` positions after each (beyond 1, the cache grows n_keep a step)."""
+    random-weight model of ``shape``, 4-bit)."""
     if target is None:
         target, _ = synthetic.build(shape, bits=4)
     cache = target.make_cache()
@@ -69,8 +68,8 @@ def _setup(t: int, shape: str = "qwen3.8-27b", target=None, n_keep: int = 1):
         out = target.forward(tokens, cache, verify=t > 1)
         y = mx.argmax(positions(target.lm_head(out.hidden)), axis=-1)
         (mx.eval if sync else mx.async_eval)(y)
-        if t > 1:  # n_keep 1: the cache's length fixed, back to the first of the t positions
-            tm.rollback(cache, out.traces, n_keep, t)
+        if t > 1:  # keep the cache's length fixed: back to the first of the t positions
+            tm.rollback(cache, out.traces, 1, t)
         return y
 
     for _ in range(5):  # trace, self-check, warm up

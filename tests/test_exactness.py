@@ -83,13 +83,7 @@ def test_long_generation_all_accept_counts(load, block):
         assert all(c > 0 for c in hist), hist
 
 
-def _assert_same_caches(target, ca, cb):
-    """The caches equal, entry by entry. Where a lazy rollback left steps pending (the state
-    after a verify's first position in the cache, the rest to redo), both first take one more
-    token, whose launch redoes them: the caches then hold states alike."""
-    if any(target_mod.pending_steps(c) for c in (*ca, *cb) if isinstance(c, ArraysCache)):
-        for cache in (ca, cb):
-            target.forward(mx.array([[7]]), cache)
+def _assert_same_caches(ca, cb):
     for a, b in zip(ca, cb, strict=True):
         if isinstance(a, ArraysCache):  # conv window, recurrent state
             pairs = list(zip(a.cache, b.cache, strict=True))
@@ -98,9 +92,6 @@ def _assert_same_caches(target, ca, cb):
             pairs = [(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :]),
                      (a.values[..., : a.offset, :], b.values[..., : b.offset, :])]  # fmt: skip
         for x, y in pairs:
-            if x is None or y is None:
-                assert x is None and y is None
-                continue
             assert x.dtype == y.dtype and mx.array_equal(x, y).item()
 
 
@@ -119,16 +110,12 @@ def test_block_forward_equals_single_steps(load):
     for t in range(block.shape[1]):
         singles.append(target.lm_head(target.forward(block[:, t : t + 1], cb).hidden))
     assert mx.array_equal(logits_block, mx.concatenate(singles, axis=1)).item()
-    _assert_same_caches(target, ca, cb)
+    _assert_same_caches(ca, cb)
 
 
-@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "states"])
-def test_rollback_restores_exact_state(load, monkeypatch, lazy):
-    """After verify + rollback to n, the caches equal those of n decode steps: with the lazy
-    rollback (each position's steps kept, the accepted ones redone by the next launch) and
-    with the per-position states kept (MTP_LAZY_ROLLBACK=off)."""
+def test_rollback_restores_exact_state(load):
+    """After verify + rollback to n, the caches equal those of n decode steps."""
     target = load().target
-    monkeypatch.setattr(target, "lazy_rollback", lazy)
     prompt, block = mx.array([[3, 1, 4, 1, 5]]), mx.array([[9, 2, 6, 5]])
     for n_keep in range(1, 5):
         ca, cb = target.make_cache(), target.make_cache()
@@ -138,42 +125,7 @@ def test_rollback_restores_exact_state(load, monkeypatch, lazy):
         target_mod.rollback(ca, out.traces, n_keep, block.shape[1])
         for t in range(n_keep):
             target.forward(block[:, t : t + 1], cb)
-        _assert_same_caches(target, ca, cb)
-
-
-def test_a_lazy_verify_keeps_steps_not_states(load, monkeypatch):
-    """The lazy rollback's verify writes no per-position states: the cache holds the state
-    after the block's first position (a decode step's, bitwise) and the rest as steps
-    pending; MTP_LAZY_ROLLBACK takes on and off only."""
-    target = load().target
-    prompt, block = mx.array([[3, 1, 4, 1, 5]]), mx.array([[9, 2, 6]])
-    ca, cb = target.make_cache(), target.make_cache()
-    target.prefill(prompt, ca)
-    target.prefill(prompt, cb)
-    out = target.forward(block, ca, verify=True)
-    target.forward(block[:, :1], cb)
-    traces = [t for t in out.traces if t is not None]
-    assert traces and all(t.states is None and t.steps.delta.shape[0] == 3 for t in traces)
-    for a, b in zip(ca, cb, strict=True):
-        if isinstance(a, ArraysCache):
-            assert mx.array_equal(a[1], b[1]).item()  # the first position's state
-            assert target_mod.pending_steps(a).g.shape[0] == 2
-            assert target_mod.pending_steps(b) is None
-    monkeypatch.setenv("MTP_LAZY_ROLLBACK", "off")
-    assert target_mod.lazy_rollback() is False
-    monkeypatch.setenv("MTP_LAZY_ROLLBACK", "yes")
-    with pytest.raises(target_mod.UsageError, match="MTP_LAZY_ROLLBACK"):
-        target_mod.lazy_rollback()
-
-
-def test_mtp_equals_classic_with_states_kept(load, monkeypatch):
-    """MTP_LAZY_ROLLBACK=off (the per-position states kept, as before the lazy rollback)."""
-    loaded = load(bits=4)
-    monkeypatch.setattr(loaded.target, "lazy_rollback", False)
-    for prompt in PROMPTS[1:4]:
-        want = _classic(loaded, prompt, 32)
-        for block in (2, 3, 4):
-            assert _mtp(loaded, prompt, 32, block) == want
+        _assert_same_caches(ca, cb)
 
 
 def _primitives(tmp_path, *arrays) -> set[str]:
@@ -192,10 +144,7 @@ def test_rollback_and_logits_are_views_not_copies(load, tmp_path):
     out = target.forward(mx.array([[9, 2, 6]]), cache, verify=True)
     mx.eval(out.hidden, out.traces)
     target_mod.rollback(cache, out.traces, 2, 3)
-    # the state, or (lazy) the steps left pending
-    restored = [
-        x for c in cache if isinstance(c, ArraysCache) for x in c.cache[1:] if x is not None
-    ]
+    restored = [c[1] for c in cache if isinstance(c, ArraysCache)]
     assert restored and "Gather" not in _primitives(tmp_path, *restored)
     logits = mx.random.normal((1, 3, 11))
     mx.eval(logits)
@@ -339,9 +288,9 @@ def test_the_folded_conv_kernel_runs_every_gated_delta_layer(load, monkeypatch, 
     loaded = load(bits=4)
     calls = []
 
-    def native(qkv, *args, **keep):
-        calls.append((qkv.shape[1], keep.get("keep_states") or keep.get("keep_steps", False)))
-        return gd.gated_delta_conv_ops(qkv, *args, **keep)
+    def native(qkv, *args, keep_states=False):
+        calls.append((qkv.shape[1], keep_states))
+        return gd.gated_delta_conv_ops(qkv, *args, keep_states=keep_states)
 
     kernels.reset_verdicts()
     pretend_gpu(gd, "gated_delta_conv_native", native)

@@ -770,33 +770,23 @@ def _conv_layer_inputs(T: int, seed: int = 0, heads=(HK, DK, HV, DV), K: int = 4
 
 
 def _emulate_conv(x: dict, keep: bool, heads=(HK, DK, HV, DV), source: str | None = None,
-                  rows: int | None = None, metal: bool = False, steps: bool = False,
-                  pending: gd.Steps | None = None) -> list:  # fmt: skip
+                  rows: int | None = None, metal: bool = False) -> list:  # fmt: skip
     """y, the final state, the states where kept, the conv's window and inputs, new window
     (``rows`` value rows a warp, by default as the launch picks them; ``source`` a variant
-    of the CUDA kernel, or of the Metal one). With ``steps`` the lazy rollback's variant: the
-    state after the first step, the steps' delta, g and k in place of the states; with
-    ``pending`` the steps it redoes first."""
+    of the CUDA kernel, or of the Metal one)."""
     hk, dk, hv, dv = heads
     rows = rows or gd._ROWS
     T, K, nc = x["qkv"].shape[1], x["conv_w"].shape[1], x["qkv"].shape[2]
     outputs = {"y": (1, T, hv, dv), "state_out": (1, hv, dv, dk)}
     outputs |= {"states": (T - 1, 1, hv, dv, dk)} if keep else {}
-    outputs |= {"rd": (T, 1, hv, dv), "rg": (T, 1, hv), "rk": (T, 1, hk, dk)} if steps else {}
     outputs |= {"inputs": (1, K - 1 + T, nc), "window_out": (1, K - 1, nc)}
-    pend = pending is not None
-    constants = {"Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "R": rows, "WARPS": gd._WARPS, "CK": K}
-    if pend:
-        x = x | {n: np.asarray(a) for n, a in zip(("pd", "pg", "pk"), pending, strict=True)}
-        constants["NP"] = pending.delta.shape[0]
-    variant = (keep, True, True, steps, pend)
     out = cuda_emulation.run(
-        source or gd._source(False, *variant),
+        source or gd._source(False, keep, True, conv=True),
         x,
         outputs,
-        constants,
+        {"Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "R": rows, "WARPS": gd._WARPS, "CK": K},
         *gd._geometry(1, hv, dv, rows),
-        header=gd._spec(True, *variant)["header"] if metal else "",
+        header=gd._spec(True, keep, True, conv=True)["header"] if metal else "",
     )
     return list(out.values())
 
@@ -894,112 +884,3 @@ def test_emulation_catches_a_broken_folded_conv(old, new, output):
     assert old in source
     got = _emulate_conv(x, keep=True, source=source.replace(old, new))[output]
     assert not np.allclose(got, _conv_reference(x, keep=True)[output], rtol=1e-4, atol=1e-5)
-
-
-# The lazy rollback: a verify keeps each step's delta, decay and k instead of its state, and
-# the next launch redoes the steps a rollback left pending before its own.
-
-
-def _pending(seed: int, n: int, heads=(HK, DK, HV, DV)) -> gd.Steps:
-    """n steps as a verify records them (the reference's, of a block of n + 1)."""
-    x = _conv_layer_inputs(n + 1, seed=seed, heads=heads)
-    a = {k: mx.array(v) for k, v in x.items()}
-    steps = gd.gated_delta_conv_ops(a["qkv"], a["window"], a["conv_w"][..., None], a["a"],
-                                    a["bb"], a["A_log"], a["dt_bias"], a["state_in"], heads,
-                                    keep_steps=True)[2]  # fmt: skip
-    return gd.Steps(*(np.array(r) for r in steps.rows(1, n + 1)))
-
-
-@pytest.mark.parametrize("metal", [False, True], ids=["cuda", "metal"])
-@pytest.mark.parametrize("T, n_pending", [(1, 0), (3, 0), (3, 2), (1, 1), (10, 3)])
-def test_emulated_lazy_rollback_kernel_matches_the_reference(metal, T, n_pending):
-    """The steps variant (with pending steps redone first) against the reference: y, the state
-    after the first step, every step's delta, decay and k, the conv's outputs."""
-    x = _conv_layer_inputs(T, seed=70 + T)
-    pending = _pending(90 + T, n_pending) if n_pending else None
-    source = gd._source(metal, False, True, conv=True, steps=True, pend=pending is not None)
-    got = _emulate_conv(x, False, source=source, metal=metal, steps=True, pending=pending)
-    a = {n: mx.array(v) for n, v in x.items()}
-    mx_pending = gd.Steps(*map(mx.array, pending)) if pending else None
-    y, base, steps, inputs, window = gd.gated_delta_conv_ops(
-        a["qkv"],
-        a["window"],
-        a["conv_w"][..., None],
-        a["a"],
-        a["bb"],
-        a["A_log"],
-        a["dt_bias"],
-        a["state_in"],
-        (HK, DK, HV, DV),
-        keep_steps=True,
-        pending=mx_pending,
-    )
-    want = [y, base, *steps, inputs, window]
-    assert len(got) == len(want) == 7
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(g, np.array(w), rtol=1e-4, atol=1e-5)
-
-
-def _lazy_then_next(x: dict, n_keep: int, nxt: dict, mutate=lambda source: source) -> list:
-    """A verify of x's block with its steps kept, rolled back to n_keep positions, then the
-    block nxt with the rest left pending: nxt's y, final state and new window (``mutate``
-    applied to both launches' sources)."""
-    K = x["conv_w"].shape[1]
-    source = mutate(gd._source(False, False, True, conv=True, steps=True))
-    _, base, *steps, inputs, _ = _emulate_conv(x, False, source=source, steps=True)
-    pending = gd.Steps(*steps).rows(1, n_keep)
-    window = inputs[:, n_keep : n_keep + K - 1]  # the conv window's rollback
-    source = mutate(gd._source(False, False, True, conv=True, pend=pending is not None))
-    y, state, _, new_window = _emulate_conv({**nxt, "window": window, "state_in": base}, False,
-                                            source=source, pending=pending)  # fmt: skip
-    return [y, state, new_window]
-
-
-def _run_then_next(x: dict, n_keep: int, nxt: dict) -> list:
-    """The same without a verify: x's first n_keep positions as one-step launches, then nxt."""
-    s, w = x["state_in"], x["window"]
-    for t in range(n_keep):
-        step = {**x, "qkv": x["qkv"][:, t : t + 1], "a": x["a"][:, t : t + 1],
-                "bb": x["bb"][:, t : t + 1], "window": w, "state_in": s}  # fmt: skip
-        _, s, _, w = _emulate_conv(step, keep=False)
-    y, state, _, new_window = _emulate_conv({**nxt, "window": w, "state_in": s}, False)
-    return [y, state, new_window]
-
-
-@pytest.mark.parametrize("T, n_keep, T_next", [(3, 1, 3), (3, 2, 3), (3, 3, 1), (10, 10, 2)])
-def test_emulated_lazy_rollback_is_exact(T, n_keep, T_next):
-    """What MTP == classic rests on: after a verify of T positions rolled back to n_keep, the
-    next launch (which redoes the n_keep - 1 pending steps) is bitwise the launch after
-    n_keep one-step launches (10 positions: the steps recorded over two chunks)."""
-    x, nxt = _conv_layer_inputs(T, seed=80 + T), _conv_layer_inputs(T_next, seed=81)
-    got, want = _lazy_then_next(x, n_keep, nxt), _run_then_next(x, n_keep, nxt)
-    for g, w in zip(got, want, strict=True):
-        assert np.array_equal(g, w)
-
-
-@pytest.mark.parametrize(
-    "old, new",
-    [
-        ("s[r][i] = fmaf(kp[i], dp, s[r][i]);", "s[r][i] = s[r][i] + kp[i] * dp;"),
-        ("s[r][i] = s[r][i] * gp;", ";"),  # the pending steps' decay skipped
-        ("for (int p = 0; p < NP; ++p)", "for (int p = 0; p < NP - 1; ++p)"),  # one dropped
-        ("qk_sh[u / Dk][1][SH(u % Dk)]", "qk_sh[u / Dk][0][SH(u % Dk)]"),  # q for k
-        ("if (t == 0) {", "if (t == T - 1) {"),  # the final state kept, not the first step's
-        ("n) * Dv + dh + r] = delta;", "n) * Dv + dv + r] = delta;"),  # the halves on one row
-    ],
-    ids=["unfused", "no_decay", "one_dropped", "q_for_k", "final_state", "delta_row"],
-)
-def test_emulation_catches_a_broken_lazy_rollback(old, new):
-    """Each of these mistakes in the records or the replay breaks the exactness above."""
-    x, nxt = _conv_layer_inputs(3, seed=83), _conv_layer_inputs(2, seed=84)
-    sources = gd._source(False, False, True, conv=True, steps=True) + gd._source(
-        False, False, True, conv=True, pend=True
-    )
-    assert old in sources
-
-    def mutate(source):
-        return source.replace(old, new)
-
-    want = _run_then_next(x, 3, nxt)
-    got = _lazy_then_next(x, 3, nxt, mutate)
-    assert not all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))

@@ -11,7 +11,6 @@ one-step calls bitwise, and MTP equals classic on a backend as long as both use 
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple
 
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
@@ -20,50 +19,19 @@ from . import available, backend, built, constant, kernel_name, launch_bounds, s
 from .conv_window import conv_silu, conv_silu_ops
 
 
-class Steps(NamedTuple):
-    """A block's steps as the lazy rollback keeps them: what redoing each step's state update
-    takes, without its dot products (float32). A verify keeps these instead of T - 1 states;
-    the rollback leaves the accepted ones pending, and the next launch redoes them first."""
-
-    delta: mx.array  # [T, B, Hv, Dv]: (v - k S) beta
-    g: mx.array  # [T, B, Hv]: the decay
-    k: mx.array  # [T, B, Hk, Dk]: normalised k
-
-    def rows(self, start: int, stop: int) -> Steps | None:
-        """Steps start..stop-1 (views), or None where there are none."""
-        return Steps(*(x[start:stop] for x in self)) if stop > start else None
-
-
 @mx.compile
 def _step(q, k, v, g, beta, state):
     """One recurrent step.
 
     q, k: [B, Hv, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv]; state: [B, Hv, Dv, Dk] (float32).
-    Returns y [B, Hv, Dv] (q's dtype), the new state and the step's delta [B, Hv, Dv].
+    Returns y [B, Hv, Dv] (q's dtype) and the new state.
     """
     state = state * g[..., None, None]
     kv_mem = (state * k[..., None, :]).sum(axis=-1)  # [B, Hv, Dv]
     delta = (v - kv_mem) * beta[..., None]  # [B, Hv, Dv]
     state = state + k[..., None, :] * delta[..., None]
     y = (state * q[..., None, :]).sum(axis=-1)  # [B, Hv, Dv]
-    return y.astype(q.dtype), state, delta
-
-
-@mx.compile
-def _redo(state, g, k, delta):
-    """``_step``'s state update from its recorded decay g [B, Hv], k [B, Hv, Dk] and delta
-    [B, Hv, Dv]: the same arithmetic, so the same bits."""
-    state = state * g[..., None, None]
-    return state + k[..., None, :] * delta[..., None]
-
-
-def replay_ops(state: mx.array, pending: Steps) -> mx.array:
-    """The state [B, Hv, Dv, Dk] after redoing ``pending``'s steps on it (ops reference)."""
-    rep = state.shape[1] // pending.k.shape[2]
-    for p in range(pending.delta.shape[0]):
-        k = mx.repeat(pending.k[p], rep, axis=1) if rep > 1 else pending.k[p]  # [B, Hv, Dk]
-        state = _redo(state, pending.g[p], k, pending.delta[p])
-    return state
+    return y.astype(q.dtype), state
 
 
 def gated_delta_ops(
@@ -75,42 +43,27 @@ def gated_delta_ops(
     state: mx.array,
     *,
     keep_states: bool = False,
-    keep_steps: bool = False,
-    pending: Steps | None = None,
-) -> tuple[mx.array, mx.array, mx.array | Steps | None]:
+) -> tuple[mx.array, mx.array, mx.array | None]:
     """Ops reference: T sequential steps.
 
     Shapes: q, k [B, T, Hk, Dk] (q/k normalised, readout scale folded into q); v [B, T, Hv, Dv];
-    g, beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32; ``pending``: steps redone on the state
-    first (``replay_ops``).
-    Returns y [B, T, Hv, Dv], the final state, and with ``keep_states`` the state after each
-    step but the last, [T - 1, B, Hv, Dv, Dk]; with ``keep_steps`` instead the state after the
-    first step and every step's ``Steps``.
+    g, beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32.
+    Returns y [B, T, Hv, Dv], the final state, and (with ``keep_states``) the state after each
+    step but the last, [T - 1, B, Hv, Dv, Dk].
     """
-    if pending is not None:
-        state = replay_ops(state, pending)
-    k_heads = k
     hk, hv = k.shape[2], v.shape[2]
     if hv > hk:
         q = mx.repeat(q, hv // hk, axis=2)
         k = mx.repeat(k, hv // hk, axis=2)
-    T, ys, states, deltas, first = q.shape[1], [], [], [], state
+    T, ys, states = q.shape[1], [], []
     for t in range(T):
-        y, state, delta = _step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        y, state = _step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
         ys.append(y)
-        deltas.append(delta)
-        first = state if t == 0 else first
         if keep_states and t < T - 1:
             states.append(state)
-    y = mx.stack(ys, axis=1)
-    if keep_steps:
-        f32 = mx.float32
-        steps = Steps(mx.stack(deltas), g.swapaxes(0, 1).astype(f32),
-                      k_heads.swapaxes(0, 1).astype(f32))  # fmt: skip
-        return y, first, steps
     if not keep_states:
-        return y, state, None
-    return y, state, mx.stack(states) if states else _no_states(state)
+        return mx.stack(ys, axis=1), state, None
+    return mx.stack(ys, axis=1), state, mx.stack(states) if states else _no_states(state)
 
 
 def _no_states(state: mx.array) -> mx.array:
@@ -179,7 +132,6 @@ _TEMPLATE = """
           + (dh + r) * state_in_strides[2];
       for (int i = 0; i < SPL; ++i) s[r][i] = s_in[COL(i) * state_in_strides[3]];
     }
-    REPLAY
     SHARED float qk_sh[CH][2][Dk];  // a chunk's normalised q (0) and k (1)
     SHARED float gb_sh[CH][2];  // a chunk's decay (0) and beta (1)
     CONV_COPY
@@ -203,12 +155,10 @@ _TEMPLATE = """
         const float gx = static_cast<float>(g_[(t0 + lane) * gs]);
         const float bx = static_cast<float>(b_[(t0 + lane) * bs]);
         GATES
-        RECORD_GATE
         gb_sh[lane][0] = gt;
         gb_sh[lane][1] = bt;
       }
       BARRIER;
-      RECORD_K
       for (int j = 0; j < C; ++j) {
         const int t = t0 + j;
         float qn[SPL], kn[SPL], xv[RH], vt[RH];
@@ -224,7 +174,7 @@ _TEMPLATE = """
           kv[r] = 0.0f;
           for (int i = 0; i < SPL; ++i) {
             s[r][i] = s[r][i] * gt;
-            kv[r] = kv[r] + s[r][i] * kn[i];  // the decayed state rounded, as a replay's
+            kv[r] = kv[r] + s[r][i] * kn[i];
           }
         }
         for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {
@@ -232,10 +182,9 @@ _TEMPLATE = """
         }
         for (int r = 0; r < RH; ++r) {
           const float delta = (vt[r] - kv[r]) * bt;
-          RECORD_DELTA
           o[r] = 0.0f;
           for (int i = 0; i < SPL; ++i) {
-            s[r][i] = fmaf(kn[i], delta, s[r][i]);  // fused explicitly, as a replay's
+            s[r][i] = s[r][i] + kn[i] * delta;
             o[r] = o[r] + s[r][i] * qn[i];
           }
         }
@@ -248,7 +197,10 @@ _TEMPLATE = """
         KEEP_STATES
       }
     }
-    FINAL_STATE
+    for (int r = 0; r < RH; ++r) {
+      DEVICE float* s_out = state_out + ((size_t)n * Dv + dh + r) * Dk;
+      STORE_ROW(s_out, s[r]);
+    }
 """
 
 # Where a warp's / SIMD-group's threads are: the rest of the two backends' differences are
@@ -273,44 +225,6 @@ _KEEP = """if (t + 1 < T) {
             STORE_ROW(s_t, s[r]);
           }
         }"""
-_STORE_STATE = """for (int r = 0; r < RH; ++r) {
-      DEVICE float* s_out = state_out + ((size_t)n * Dv + dh + r) * Dk;
-      STORE_ROW(s_out, s[r]);
-    }"""
-# The lazy rollback's variants. "steps" writes the state after the block's first step (every
-# verify keeps that one: it is the pending token's) as state_out and, for every step, what
-# redoing its state update takes: its delta rd [T, B, Hv, Dv], decay rg [T, B, Hv] and
-# normalised k rk [T, B, Hk, Dk], each by one thread (the first threadgroup of a value head
-# its gates, of a key head's first value head its k). Instead of T - 1 states, a few KiB.
-# "pend" first redoes the NP steps a rollback left pending (pd, pg, pk: those records'
-# accepted rows) on the state it read, with a step's decay and update arithmetic: the state
-# after them is bitwise the one the steps themselves reached.
-_STEPS = {
-    "KEEP_STATES": "if (t == 0) {\n      " + _STORE_STATE + "\n        }",
-    "FINAL_STATE": "",
-    "RECORD_DELTA": "if (hl == 0) rd[((size_t)t * B * Hv + n) * Dv + dh + r] = delta;",
-    "RECORD_GATE": "if (dv == warp * R) rg[(size_t)(t0 + lane) * B * Hv + n] = gt;",
-    "RECORD_K": """if (hv % (Hv / Hk) == 0 && dv == warp * R) {
-        for (int u = warp * 32 + lane; u < C * Dk; u += 32 * WARPS)
-          rk[(((size_t)(t0 + u / Dk) * B + b) * Hk + hk) * Dk + u % Dk] =
-              qk_sh[u / Dk][1][SH(u % Dk)];
-      }""",
-}
-_REPLAY = """for (int p = 0; p < NP; ++p) {
-      const float gp = pg[p * pg_strides[0] + b * pg_strides[1] + hv * pg_strides[2]];
-      float kp[SPL];
-      for (int i = 0; i < SPL; ++i)
-        kp[i] = pk[p * pk_strides[0] + b * pk_strides[1] + hk * pk_strides[2]
-                   + COL(i) * pk_strides[3]];
-      for (int r = 0; r < RH; ++r) {
-        const float dp = pd[p * pd_strides[0] + b * pd_strides[1] + hv * pd_strides[2]
-                            + (dh + r) * pd_strides[3]];
-        for (int i = 0; i < SPL; ++i) {
-          s[r][i] = s[r][i] * gp;
-          s[r][i] = fmaf(kp[i], dp, s[r][i]);
-        }
-      }
-    }"""
 # g_/b_ and gs/bs name the two gate inputs and their time strides; GATES makes the decay gt
 # and beta bt from one step's gx, bx; QK normalises one loaded q (isq) or k row x in place.
 _PLAIN = {
@@ -435,18 +349,10 @@ _CONV_INPUTS = ["qkv", "window", "conv_w", "a", "bb", "A_log", "dt_bias", "state
 _kernels: dict = {}
 
 
-def _source(metal: bool, keep: bool, raw: bool, conv: bool = False, steps: bool = False,
-            pend: bool = False) -> str:  # fmt: skip
+def _source(metal: bool, keep: bool, raw: bool, conv: bool = False) -> str:
     """The kernel body of one variant for one backend, its splices filled in (``conv``: the
-    raw variant that makes q, k and v from the conv's inputs itself; ``steps``, ``pend``: the
-    lazy rollback's records and replay)."""
-    assert not (keep and steps), "per-step states or records, not both"
-    source = _TEMPLATE.replace("REPLAY", _REPLAY if pend else "")
-    eager = {"KEEP_STATES": _KEEP if keep else "", "FINAL_STATE": _STORE_STATE}
-    for name, text in (_STEPS if steps else eager).items():
-        source = source.replace(name, text)
-    for name in ("RECORD_DELTA", "RECORD_GATE", "RECORD_K"):
-        source = source.replace(name, "")
+    raw variant that makes q, k and v from the conv's inputs itself)."""
+    source = _TEMPLATE.replace("KEEP_STATES", _KEEP if keep else "")
     for name, text in (_CONV_READ if conv else _READ).items():
         source = source.replace(name, text)
     for name, text in (_RAW if raw or conv else _PLAIN).items():
@@ -466,25 +372,19 @@ inline void store4(device float4* p, float4 v) { *p = v; }
 CONV_MIN_BLOCKS = 3
 
 
-def _spec(metal: bool, keep: bool, raw: bool, conv: bool = False, steps: bool = False,
-          pend: bool = False) -> dict:  # fmt: skip
+def _spec(metal: bool, keep: bool, raw: bool, conv: bool = False) -> dict:
     """The arguments both backends' kernel factories take, for one variant."""
-    source = _source(metal, keep, raw, conv, steps, pend)
+    source = _source(metal, keep, raw, conv)
     header = _METAL_HEADER if metal else launch_bounds(_WARPS, CONV_MIN_BLOCKS) if conv else ""
     kind = "_conv" if conv else "_raw" if raw else ""
-    kind += "_keep" if keep else "_steps" if steps else ""
     return {
-        "name": kernel_name(f"mtp_gated_delta{kind}{'_pend' if pend else ''}", source, header),
+        "name": kernel_name(f"mtp_gated_delta{kind}{'_keep' if keep else ''}", source, header),
         "header": header,
-        "input_names": [
-            *(_CONV_INPUTS if conv else _INPUTS[raw]),
-            *(["pd", "pg", "pk"] if pend else []),
-        ],
+        "input_names": _CONV_INPUTS if conv else _INPUTS[raw],
         "output_names": [
             "y",
             "state_out",
             *(["states"] if keep else []),
-            *(["rd", "rg", "rk"] if steps else []),
             *(["inputs", "window_out"] if conv else []),
         ],  # fmt: skip
         "source": source,
@@ -494,23 +394,21 @@ def _spec(metal: bool, keep: bool, raw: bool, conv: bool = False, steps: bool = 
     }
 
 
-def _build_cuda(*variant: bool):
+def _build_cuda(keep: bool, raw: bool, conv: bool):
     if not available("cuda"):
         return None
-    return mx.fast.cuda_kernel(**_spec(False, *variant))
+    return mx.fast.cuda_kernel(**_spec(False, keep, raw, conv))
 
 
-def _build_metal(*variant: bool):
+def _build_metal(keep: bool, raw: bool, conv: bool):
     if not available("metal"):
         return None
-    return mx.fast.metal_kernel(**_spec(True, *variant))
+    return mx.fast.metal_kernel(**_spec(True, keep, raw, conv))
 
 
-def _kernel(keep: bool, raw: bool = False, conv: bool = False, steps: bool = False,
-            pend: bool = False):  # fmt: skip
-    variant = (keep, raw, conv, steps, pend)
-    return built(_kernels, variant, lambda: _build_cuda(*variant),
-                 lambda: _build_metal(*variant))  # fmt: skip
+def _kernel(keep: bool, raw: bool = False, conv: bool = False):
+    return built(_kernels, (keep, raw, conv), lambda: _build_cuda(keep, raw, conv),
+                 lambda: _build_metal(keep, raw, conv))  # fmt: skip
 
 
 # Value rows per warp (R/2 a half-warp): with the q/k and gates made once per threadgroup, 2
@@ -532,16 +430,13 @@ def _geometry(B: int, Hv: int, Dv: int, R: int) -> tuple[tuple, tuple]:
 
 
 def _launch(kernel, inputs: list, dims: tuple, dtype, keep_states: bool, extra_types=(),
-            conv_width: int = 0, steps: bool = False) -> list[mx.array]:  # fmt: skip
-    """One launch for dims (B, T, Hk, Dk, Hv, Dv): y, the final state (with ``steps``: after
-    the first step), the per-step states where kept, the steps' records with ``steps``, and
-    with ``conv_width`` the conv's window and inputs and new window."""
+            conv_width: int = 0) -> list[mx.array]:  # fmt: skip
+    """One launch for dims (B, T, Hk, Dk, Hv, Dv): y, the final state, the per-step states
+    where kept, and with ``conv_width`` the conv's window and inputs and new window."""
     B, T, Hk, Dk, Hv, Dv = dims
     R = _ROWS
     grid, threadgroup = _geometry(B, Hv, Dv, R)
     shapes = [(B, T, Hv, Dv), (B, Hv, Dv, Dk)] + ([(T - 1, B, Hv, Dv, Dk)] if keep_states else [])
-    if steps:
-        shapes += [(T, B, Hv, Dv), (T, B, Hv), (T, B, Hk, Dk)]  # Steps: delta, g, k
     dtypes = [dtype] + [mx.float32] * (len(shapes) - 1)
     if conv_width:
         NC = 2 * Hk * Dk + Hv * Dv
@@ -596,17 +491,16 @@ def gated_delta_native(q, k, v, g, beta, state, *, keep_states: bool = False):
     return _with_states(out, keep_states)
 
 
-def gated_delta_raw_ops(q, k, v, a, b, A_log, dt_bias, state, **keep):
+def gated_delta_raw_ops(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bool = False):
     """Ops reference from the layer's raw inputs, as mlx-lm computes them.
 
     q, k [B, T, Hk, Dk] (conv outputs, not normalised); v [B, T, Hv, Dv]; a, b [B, T, Hv];
-    A_log, dt_bias [Hv]; state [B, Hv, Dv, Dk] float32; ``keep``: ``gated_delta_ops``'s
-    keyword arguments. Returns as ``gated_delta_ops``.
+    A_log, dt_bias [Hv]; state [B, Hv, Dv, Dk] float32. Returns as ``gated_delta_ops``.
     """
     q, k = normalize_qk(q, k, inv_scale=k.shape[-1] ** -0.5, eps=1e-6)
     g = compute_g(A_log, a, dt_bias)  # [B, T, Hv]
     beta = mx.sigmoid(b)  # [B, T, Hv]
-    return gated_delta_ops(q, k, v, g, beta, state, **keep)
+    return gated_delta_ops(q, k, v, g, beta, state, keep_states=keep_states)
 
 
 def gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state, *, keep_states=False):
@@ -630,51 +524,45 @@ def _heads(conv_out: mx.array, heads: tuple) -> tuple[mx.array, mx.array, mx.arr
 
 
 def _conv_then_delta(conv, delta, qkv, window, conv_w, a, b, A_log, dt_bias, state, heads,
-                     **keep):  # fmt: skip
+                     keep_states: bool):  # fmt: skip
     out, inputs, new_window = conv(qkv, window, conv_w)
     q, k, v = _heads(out, heads)
-    y, state, kept = delta(q, k, v, a, b, A_log, dt_bias, state, **keep)
-    return y, state, kept, inputs, new_window
+    y, state, states = delta(q, k, v, a, b, A_log, dt_bias, state, keep_states=keep_states)
+    return y, state, states, inputs, new_window
 
 
-def gated_delta_conv_ops(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, **keep):
+def gated_delta_conv_ops(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, *,
+                         keep_states: bool = False):  # fmt: skip
     """Ops reference of the layer from its conv inputs: ``conv_silu_ops``, then
     ``gated_delta_raw_ops``.
 
     qkv [B, T, NC] (the input projection's q, k and v channels, NC = 2 Hk Dk + Hv Dv); window
     [B, K-1, NC]; conv_w [NC, K, 1]; a, b [B, T, Hv]; A_log, dt_bias [Hv]; state [B, Hv, Dv, Dk]
-    float32; heads (Hk, Dk, Hv, Dv); ``keep``: ``gated_delta_ops``'s keyword arguments
-    (``keep_states``, ``keep_steps``, ``pending``). Returns y [B, T, Hv, Dv], the state, the
-    states or steps as ``gated_delta_ops`` does, the window and inputs [B, K-1+T, NC] and the
-    new window [B, K-1, NC].
+    float32; heads (Hk, Dk, Hv, Dv). Returns y [B, T, Hv, Dv], the final state, the states as
+    ``gated_delta_ops`` does, the window and inputs [B, K-1+T, NC] and the new window
+    [B, K-1, NC].
     """
     return _conv_then_delta(conv_silu_ops, gated_delta_raw_ops, qkv, window, conv_w, a, b,
-                            A_log, dt_bias, state, heads, **keep)  # fmt: skip
+                            A_log, dt_bias, state, heads, keep_states)  # fmt: skip
 
 
 def gated_delta_conv_native(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, *,
-                            keep_states: bool = False, keep_steps: bool = False,
-                            pending: Steps | None = None):  # fmt: skip
+                            keep_states: bool = False):  # fmt: skip
     """The native kernel with the convolution and the gating folded in (same contract as
     ``gated_delta_conv_ops``); None where there is none."""
     B, T, NC = qkv.shape
     keep = _keeps(qkv, keep_states)
-    kernel = _kernel(keep, raw=True, conv=True, steps=keep_steps, pend=pending is not None)
+    kernel = _kernel(keep, raw=True, conv=True)
     if kernel is None:
         return None
     K = conv_w.shape[1]
     inputs = [qkv, window, constant(conv_w, f"rows {NC}x{K}",
                                     lambda w: mx.contiguous(w.reshape(NC, K))),
               a.astype(qkv.dtype), b.astype(qkv.dtype), constant(A_log), constant(dt_bias),
-              state.astype(mx.float32), *(pending or ())]  # fmt: skip
+              state.astype(mx.float32)]  # fmt: skip
     # in the name: they type the signature
     types = [("AT", A_log.dtype), ("DT", dt_bias.dtype), ("WT", conv_w.dtype)]
-    if pending is not None:
-        types.append(("NP", pending.delta.shape[0]))
-    out = _launch(kernel, inputs, (B, T, *heads), qkv.dtype, keep, types, conv_width=K,
-                  steps=keep_steps)  # fmt: skip
-    if keep_steps:
-        return out[0], out[1], Steps(*out[2:5]), out[-2], out[-1]
+    out = _launch(kernel, inputs, (B, T, *heads), qkv.dtype, keep, types, conv_width=K)
     return (*_with_states(out, keep_states), out[-2], out[-1])
 
 
@@ -705,9 +593,6 @@ def _views(xs: tuple) -> list[mx.array]:
 def _compare(got, want, dtype) -> str | None:
     tol = 1e-2 if dtype != mx.float32 else 1e-4
     names = ("y", "state", "states", "conv inputs", "conv window")[: len(want)]
-    if isinstance(want[2], Steps):
-        names = ("y", "state", *(f"steps' {n}" for n in Steps._fields), *names[3:])
-        got, want = (out[:2] + tuple(out[2]) + tuple(out[3:]) for out in (got, want))
     for name, a, b in zip(names, got, want, strict=True):
         a, b = a.astype(mx.float32), b.astype(mx.float32)
         if not mx.allclose(a, b, rtol=tol, atol=tol).item():
@@ -763,42 +648,17 @@ def _conv_inputs(dtype, heads: tuple, K: int, w_dtype, T: int = 3) -> tuple:
 
 
 def _self_check_conv(dtype, heads: tuple, K: int, w_dtype, gate_dtypes) -> str | None:
-    """The kept-states variant and the lazy rollback's (steps kept, two steps pending) against
-    the reference; then the lazy rollback's exactness: a step after two steps left pending
-    bitwise the step after the same three steps run."""
     Hk, Dk, Hv, Dv = heads
     qkv, window, conv_w = _conv_inputs(dtype, heads, K, w_dtype)
     *_, g, beta, state = _random_inputs(dtype, Hk, Hv, Dk, Dv)
-    gates = _raw_gates(g, beta, dtype, Hv, gate_dtypes)
-    args = (qkv, window, conv_w, *gates, state, heads)
+    args = (qkv, window, conv_w, *_raw_gates(g, beta, dtype, Hv, gate_dtypes), state, heads)
     try:
         got = gated_delta_conv_native(*args, keep_states=True)
         want = gated_delta_conv_ops(*args, keep_states=True)
-        pending = gated_delta_conv_ops(*args, keep_steps=True)[2].rows(1, 3)
-        got_steps = gated_delta_conv_native(*args, keep_steps=True, pending=pending)
-        want_steps = gated_delta_conv_ops(*args, keep_steps=True, pending=pending)
-        mx.eval(got, want, got_steps, want_steps)
-        error = _compare(got, want, dtype) or _compare(got_steps, want_steps, dtype)
-        if error is None and not _replay_exact(dtype, heads, K, w_dtype, gate_dtypes):
-            error = "a step after pending steps differs from the step after those steps"
+        mx.eval(got, want)
     except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
         return f"{type(e).__name__}: {e}"
-    return error
-
-
-def _replay_exact(dtype, heads: tuple, K: int, w_dtype, gate_dtypes) -> bool:
-    """Whether the native kernel's step after a 3-step block's last two steps were left
-    pending equals, bitwise, its step after the block run whole (y, state)."""
-    qkv, window, conv_w = _conv_inputs(dtype, heads, K, w_dtype, T=4)
-    *_, g, beta, state = _random_inputs(dtype, heads[0], heads[2], heads[1], heads[3], T=4)
-    a, b, A_log, dt_bias = _raw_gates(g, beta, dtype, heads[2], gate_dtypes)
-    first = (qkv[:, :3], window, conv_w, a[:, :3], b[:, :3], A_log, dt_bias, state, heads)
-    _, base, steps, _, win = gated_delta_conv_native(*first, keep_steps=True)
-    _, whole, _, _, _ = gated_delta_conv_native(*first)
-    nxt = (qkv[:, 3:4], win, conv_w, a[:, 3:4], b[:, 3:4], A_log, dt_bias)
-    y_lazy, s_lazy, *_ = gated_delta_conv_native(*nxt, base, heads, pending=steps.rows(1, 3))
-    y_run, s_run, *_ = gated_delta_conv_native(*nxt, whole, heads)
-    return bool(mx.array_equal(y_lazy, y_run).item() and mx.array_equal(s_lazy, s_run).item())
+    return _compare(got, want, dtype)
 
 
 def _native_dims(Hk: int, Dk: int, Hv: int, Dv: int) -> bool:
@@ -823,14 +683,8 @@ def gated_delta(q, k, v, g, beta, state, *, keep_states: bool = False):
     return gated_delta_ops(q, k, v, g, beta, state, keep_states=keep_states)
 
 
-def gated_delta_raw(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bool = False,
-                    keep_steps: bool = False, pending: Steps | None = None):  # fmt: skip
-    """The layer's recurrence from its raw inputs (see ``gated_delta_raw_ops``), best path
-    (the lazy rollback's steps and pending steps: the ops reference; the conv-folded kernel
-    has them natively)."""
-    if keep_steps or pending is not None:
-        return gated_delta_raw_ops(q, k, v, a, b, A_log, dt_bias, state, keep_states=keep_states,
-                                   keep_steps=keep_steps, pending=pending)  # fmt: skip
+def gated_delta_raw(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bool = False):
+    """The layer's recurrence from its raw inputs (see ``gated_delta_raw_ops``), best path."""
     Hk, Dk, Hv, Dv = k.shape[2], k.shape[3], v.shape[2], v.shape[3]
     gate_dtypes = (A_log.dtype, dt_bias.dtype)
     if _native_shape(k, v) and use_native(
@@ -851,8 +705,7 @@ FUSE_CONV = True
 
 
 def gated_delta_conv(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, *,
-                     keep_states: bool = False, keep_steps: bool = False,
-                     pending: Steps | None = None):  # fmt: skip
+                     keep_states: bool = False):  # fmt: skip
     """The layer's convolution and recurrence (see ``gated_delta_conv_ops``) on the best
     trusted path: one launch where the folded kernel is trusted, else the convolution's and
     the recurrence's own best paths."""
@@ -870,10 +723,8 @@ def gated_delta_conv(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, *,
         )
     ):
         out = gated_delta_conv_native(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads,
-                                      keep_states=keep_states, keep_steps=keep_steps,
-                                      pending=pending)  # fmt: skip
+                                      keep_states=keep_states)  # fmt: skip
         if out is not None:
             return out
     return _conv_then_delta(conv_silu, gated_delta_raw, qkv, window, conv_w, a, b, A_log,
-                            dt_bias, state, heads, keep_states=keep_states,
-                            keep_steps=keep_steps, pending=pending)  # fmt: skip
+                            dt_bias, state, heads, keep_states)  # fmt: skip

@@ -26,7 +26,7 @@ from ..config import ModelConfig
 from ..errors import UsageError
 from ..kernels import quantized_matmul
 from ..kernels.decode_attention import MAX_T, Rope, decode_attention
-from ..kernels.gated_delta import Steps, gated_delta_conv
+from ..kernels.gated_delta import gated_delta_conv
 from ..kernels.quantized_matmul import FusedProjection, NormBegun, residual_of
 from ..weights import load_arrays, load_module_weights
 
@@ -36,13 +36,10 @@ COMPILE_MAX_T = 16  # decode steps and verify blocks; a prompt's length would tr
 
 @dataclass
 class GatedDeltaTrace:
-    """What one verify pass left behind in one gated-delta layer, for the rollback: the
-    states after each position but the last, or (the lazy rollback) each position's steps,
-    the cache holding the state after the first position."""
+    """What one verify pass left behind in one gated-delta layer, for the rollback."""
 
     conv_input: mx.array  # [B, K-1+T, C]: the old conv window followed by the T new inputs
-    states: mx.array | None = None  # [T - 1, B, Hv, Dv, Dk]
-    steps: Steps | None = None  # [T, ...] each (see Steps)
+    states: mx.array  # [T - 1, B, Hv, Dv, Dk]: the state after each position but the last
 
 
 @dataclass
@@ -135,12 +132,10 @@ def _equal(a, b) -> bool:
 
 
 def _gated_delta(m: qwen3_5.GatedDeltaNet, h, norm, conv_state, state, keep: bool, fused=None,
-                 then=None, pending: Steps | None = None, lazy: bool = False):  # fmt: skip
+                 then=None):  # fmt: skip
     """h [B, S, H] (or a ``NormBegun`` of ``norm``) plus the gated-delta mixer of norm(h),
     pure: returns (out [B, S, H], conv_input [B, K-1+S, C], new conv window, state, states if
-    ``keep``); with ``then``, the norm after it, out may come as a ``NormBegun`` of that.
-    ``pending``: steps a lazy rollback left to redo first; ``lazy``: ``keep`` keeps the steps
-    (a tuple) and the state after the first position instead of the states."""
+    ``keep``); with ``then``, the norm after it, out may come as a ``NormBegun`` of that."""
     B, S, _ = residual_of(h).shape
     if fused is not None:  # the norm and the four input projections in one product
         proj = fused(h, norm)  # [B, S, C + Hv * Dv + 2 Hv]
@@ -156,15 +151,14 @@ def _gated_delta(m: qwen3_5.GatedDeltaNet, h, norm, conv_state, state, keep: boo
     # bitwise (chain parity). y [B, S, Hv, Dv]; the window and inputs [B, K-1+S, C] and the
     # new window [B, K-1, C].
     heads = (m.num_k_heads, m.head_k_dim, m.num_v_heads, m.head_v_dim)
-    y, state, kept, conv_input, window = gated_delta_conv(
-        qkv, conv_state, m.conv1d.weight, a, b, m.A_log, m.dt_bias, state, heads,
-        pending=pending, **({"keep_steps": keep} if lazy else {"keep_states": keep}),
-    )  # fmt: skip
+    y, state, states, conv_input, window = gated_delta_conv(
+        qkv, conv_state, m.conv1d.weight, a, b, m.A_log, m.dt_bias, state, heads, keep_states=keep
+    )
     # mlx-lm's gated norm (m.norm) of y, the out projection and the residual: the norm's launch
     # and the product's, or one where the product applies the norm itself (FUSE_GATE)
     gate = quantized_matmul.Gate(z_source, z_at, m.norm.weight, m.norm.eps)
     out = quantized_matmul.linear_add(m.out_proj, y, residual_of(h), then, gate)
-    return (out, conv_input, window, state) + ((tuple(kept) if lazy else kept,) if keep else ())
+    return (out, conv_input, window, state) + ((states,) if keep else ())
 
 
 def _attention_pre(m, h, norm, fused=None):
@@ -314,16 +308,6 @@ def submit_every() -> int:
     return n
 
 
-def lazy_rollback() -> bool:
-    """``MTP_LAZY_ROLLBACK`` (on unless ``off``): a verify keeps each position's delta, decay
-    and k instead of its state, and the next launch redoes the accepted ones (docs/design.md);
-    off, it keeps the states after each position, as before."""
-    raw = os.environ.get("MTP_LAZY_ROLLBACK", "on")
-    if raw not in ("on", "off"):
-        raise UsageError(f"MTP_LAZY_ROLLBACK must be on or off, got {raw!r}")
-    return raw == "on"
-
-
 class Qwen35Target:
     """A loaded Qwen3.5-family target with the surface the engines need."""
 
@@ -336,7 +320,6 @@ class Qwen35Target:
         # layers while the rest are built; 0 submits once, at the wait. Decode steps are not
         # submitted in parts: on the H200 that measured no faster (session 18).
         self.submit_every = submit_every()
-        self.lazy_rollback = lazy_rollback()
         ours = kernels.qmm() == "ours"
         if ours:  # decode and verify rows then share one product kernel
             quantized_matmul.install(model)
@@ -396,9 +379,7 @@ class Qwen35Target:
         return self.text.model.embed_tokens
 
     def make_cache(self) -> list:
-        """A gated-delta layer's cache: the conv window, the state and the three parts of the
-        steps a lazy rollback left pending (``Steps``; None where none are)."""
-        return [ArraysCache(size=5) if layer.is_linear else KVCache() for layer in self.layers]
+        return [ArraysCache(size=2) if layer.is_linear else KVCache() for layer in self.layers]
 
     def lm_head(self, hidden: mx.array, exact: bool = False) -> mx.array:
         """Logits [B, T, V] from final-normed hidden states [B, T, H]; ``exact`` as in a verify."""
@@ -412,11 +393,9 @@ class Qwen35Target:
             return self.embed_tokens, self.embed_tokens.as_linear
         return self.text.lm_head, self.text.lm_head
 
-    def _fn(self, kind: str, i: int, keep: bool = False, compiled: bool = False,
-            pend: bool = False) -> Callable:  # fmt: skip
+    def _fn(self, kind: str, i: int, keep: bool = False, compiled: bool = False) -> Callable:
         """Layer ``i``'s ``kind`` part ("linear", "pre" or "post") as a pure function (made
-        once: this runs for every layer of every step, so it does nothing else); ``pend``: a
-        linear part that takes pending steps."""
+        once: this runs for every layer of every step, so it does nothing else)."""
 
         def make() -> Callable:
             layer = self.layers[i]
@@ -434,66 +413,49 @@ class Qwen35Target:
             fused, norm = self.fused_in.get(i), layer.input_layernorm
             mid = layer.post_attention_layernorm
 
-            def linear(hs, conv_state, state, *pending):
+            def linear(hs, conv_state, state):
                 h, *rest = _gated_delta(layer.linear_attn, _resumed(hs, norm), norm, conv_state,
-                                        state, keep, fused, mid if begin else None,
-                                        Steps(*pending) if pending else None, lazy)  # fmt: skip
+                                        state, keep, fused, mid if begin else None)  # fmt: skip
                 return (stream(mlp_add(h, mid, then)), *rest)
 
             return linear
 
-        lazy = self.lazy_rollback
-        return self.functions.get((kind, i, keep, pend, lazy), make,
-                                  compiled and not self.routed_on_gpu[i])  # fmt: skip
+        return self.functions.get((kind, i, keep), make, compiled and not self.routed_on_gpu[i])
 
     def _linear_layer(self, i: int, hs: tuple, cache, verify: bool, compiled: bool):
         """A gated-delta layer over the stream ``hs`` (see ``stream``): its output stream and,
         in a verify, its trace."""
         h = hs[0]  # [B, T, H]
         m, T = self.layers[i].linear_attn, h.shape[1]
-        conv_state, state, pending = cache[0], cache[1], pending_steps(cache)
+        conv_state, state = cache[0], cache[1]
         if conv_state is None:
             conv_state = mx.zeros((h.shape[0], m.conv_kernel_size - 1, m.conv_dim), h.dtype)
         if state is None:  # [B, Hv, Dv, Dk]
             state = mx.zeros((h.shape[0], m.num_v_heads, m.head_v_dim, m.head_k_dim), mx.float32)
-        pend = tuple(pending or ())
-        if not verify:  # a decode step (or prompt chunk), the pending steps redone first
-            step = self._fn("linear", i, False, compiled, bool(pend))
-            hs, _, cache[0], cache[1] = step(hs, conv_state, state, *pend)
-            set_pending(cache, None)
+        step = self._fn("linear", i, False, compiled)  # what a decode step runs
+        if not verify:
+            hs, _, cache[0], cache[1] = step(hs, conv_state, state)
             return hs, None
-        lazy = self.lazy_rollback
 
         def single():  # position by position, exactly as decode steps
-            outs, window, s, kept, rows, first = [], conv_state, state, [], [conv_state], None
+            outs, window, s, states, rows = [], conv_state, state, [], [conv_state]
             for t in range(T):
-                fn = self._fn("linear", i, lazy, compiled, bool(pend) and t == 0)
-                ht, conv_input, window, s, *rec = fn(tuple(x[:, t : t + 1] for x in hs), window,
-                                                     s, *(pend if t == 0 else ()))  # fmt: skip
+                ht, conv_input, window, s = step(tuple(x[:, t : t + 1] for x in hs), window, s)
                 outs.append(ht)
                 rows.append(conv_input[:, -1:])
-                kept.append(rec[0] if lazy else s)
-                first = s if t == 0 else first
-            ys = tuple(mx.concatenate(p, 1) for p in zip(*outs, strict=True))
-            if lazy:  # each position's one step, and the state after the first
-                steps = tuple(mx.concatenate(p, 0) for p in zip(*kept, strict=True))
-                return ys, mx.concatenate(rows, 1), window, first, steps
-            return ys, mx.concatenate(rows, 1), window, s, mx.stack(kept[:-1])
+                states.append(s)
+            return (tuple(mx.concatenate(p, 1) for p in zip(*outs, strict=True)),
+                    mx.concatenate(rows, 1), window, s, mx.stack(states[:-1]))  # fmt: skip
 
-        batched = self._fn("linear", i, True, compiled, bool(pend))
+        batched = self._fn("linear", i, True, compiled)
         key = (self.policy.signature(self.layers[i]), T, str(h.dtype))
         if T == 1:
-            out = batched(hs, conv_state, state, *pend)
+            out = batched(hs, conv_state, state)
         else:
-            out = self.policy.choose(key, lambda: batched(hs, conv_state, state, *pend), single,
+            out = self.policy.choose(key, lambda: batched(hs, conv_state, state), single,
                                      probe=not self.unprobed[i])  # fmt: skip
-        hs, conv_input, cache[0], cache[1], kept = out
-        if not lazy:
-            set_pending(cache, None)
-            return hs, GatedDeltaTrace(conv_input, states=kept)
-        steps = Steps(*kept)
-        set_pending(cache, steps.rows(1, T))  # as if every position were accepted
-        return hs, GatedDeltaTrace(conv_input, steps=steps)
+        hs, conv_input, cache[0], cache[1], states = out
+        return hs, GatedDeltaTrace(conv_input, states)
 
     def _attention_layer(self, i: int, hs: tuple, mask, cache, verify: bool, compiled: bool):
         """A full-attention layer over the stream ``hs``: its output stream."""
@@ -561,19 +523,7 @@ def restore_conv(cache: ArraysCache, trace: GatedDeltaTrace, n_keep: int) -> Non
     cache[0] = trace.conv_input[:, n_keep : n_keep + window]
 
 
-def pending_steps(cache: ArraysCache) -> Steps | None:
-    """The steps a lazy rollback left for a gated-delta layer's next launch to redo."""
-    return None if cache[2] is None else Steps(cache[2], cache[3], cache[4])
-
-
-def set_pending(cache: ArraysCache, steps: Steps | None) -> None:
-    cache[2], cache[3], cache[4] = steps if steps is not None else (None, None, None)
-
-
 def restore_state(cache: ArraysCache, trace: GatedDeltaTrace, n_keep: int) -> None:
-    if trace.steps is not None:  # the cache has the state after the first position
-        set_pending(cache, trace.steps.rows(1, n_keep))  # views
-        return
     # A view of the kept state: indexing with an integer would copy it through a gather
     # kernel (3 MB a layer of the 27B shape, 20 us each on the H200).
     cache[1] = trace.states[n_keep - 1 : n_keep].reshape(trace.states.shape[1:])
