@@ -52,6 +52,7 @@ static float __shfl_sync(unsigned, float v, int src) {  // lane src's v; every l
 static inline float __shfl_xor_sync(unsigned, float v, int off) {
   return __shfl_sync(0u, v, (threadIdx.x & 31) ^ off);
 }
+struct float2 { float x, y; };
 struct float4 {
   float x, y, z, w;
   float4() = default;

@@ -1,0 +1,275 @@
+# ruff: noqa: E501 - the variants splice lines of kernel text
+"""Write variants of mtpcli/kernels/gated_delta.py for bench_gdn_geometry.py --module.
+
+plain:   the kept states' rows as plain 16-byte stores (not evict-first)
+bulk:    the kept states staged in shared memory, each warp's rows (R x Dk floats, contiguous
+         in the output) sent by one sm_90 cp.async.bulk store, two slots a warp
+bulkall: bulk, and the final state too (a third slot)
+"""
+
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "mtpcli/kernels/gated_delta.py"
+
+BULK_HEADER = r"""
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ void gd_bulk_store(float* dst, const float* src, unsigned bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+               :: "l"(dst), "r"(static_cast<unsigned>(__cvta_generic_to_shared(src))),
+                  "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void gd_bulk_wait_read1() {
+  asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+}
+__device__ __forceinline__ void gd_bulk_wait_read0() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void gd_bulk_fence() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+#else
+static inline void gd_bulk_store(float* dst, const float* src, unsigned bytes) {
+  std::memcpy(dst, src, bytes);
+}
+static inline void gd_bulk_wait_read1() {}
+static inline void gd_bulk_wait_read0() {}
+static inline void gd_bulk_fence() {}
+#endif
+"""
+
+# A lane's row into a shared row: plain 16-byte stores (the half's 16 lanes: 256 B together).
+SH_ROW = r"""#define SH_ROW(dst, src) \
+      if (VW == 4) { \
+        for (int i = 0; i < SPL; i += 4) \
+          *(float4*)((dst) + COL(i)) = \
+              FLOAT4((src)[i], (src)[i + 1], (src)[i + 2], (src)[i + 3]); \
+      } else { \
+        for (int i = 0; i < SPL; ++i) (dst)[COL(i)] = (src)[i]; \
+      }
+    __align__(128) SHARED float st_sh[WARPS][NSLOT][R * Dk];  // a warp's rows, staged
+"""
+
+KEEP_BULK = """if (t + 1 < T) {
+          const int slot = t & 1;
+          if (t >= 2 && lane == 0) gd_bulk_wait_read1();  // the slot's last copy has read it
+          WARP_SYNC;
+          for (int r = 0; r < RH; ++r) SH_ROW(&st_sh[warp][slot][(half * RH + r) * Dk], s[r]);
+          gd_bulk_fence();
+          WARP_SYNC;
+          if (lane == 0)
+            gd_bulk_store(states + (((size_t)t * B * Hv + n) * Dv + dv) * Dk, &st_sh[warp][slot][0],
+                          R * Dk * 4);
+        }"""
+
+FINAL = """    for (int r = 0; r < RH; ++r) {
+      DEVICE float* s_out = state_out + ((size_t)n * Dv + dh + r) * Dk;
+      STORE_ROW(s_out, s[r]);
+    }
+"""
+FINAL_BULK = """    for (int r = 0; r < RH; ++r) SH_ROW(&st_sh[warp][NSLOT - 1][(half * RH + r) * Dk], s[r]);
+    gd_bulk_fence();
+    WARP_SYNC;
+    if (lane == 0) {
+      gd_bulk_store(state_out + ((size_t)n * Dv + dv) * Dk, &st_sh[warp][NSLOT - 1][0],
+                    R * Dk * 4);
+    }
+    if (lane == 0) gd_bulk_wait_read0();
+"""
+
+
+def sub(text: str, old: str, new: str) -> str:
+    if text.count(old) != 1:
+        raise SystemExit(f"not found once: {old[:60]!r}")
+    return text.replace(old, new)
+
+
+LDS4_READ = """        if (VW == 4) {
+          for (int i = 0; i < SPL; i += 4) {
+            const float4 q4 = *(const float4*)&qk_sh[j][0][COL(i)];
+            const float4 k4 = *(const float4*)&qk_sh[j][1][COL(i)];
+            qn[i] = q4.x, qn[i + 1] = q4.y, qn[i + 2] = q4.z, qn[i + 3] = q4.w;
+            kn[i] = k4.x, kn[i + 1] = k4.y, kn[i + 2] = k4.z, kn[i + 3] = k4.w;
+          }
+        } else {
+          for (int i = 0; i < SPL; ++i) {
+            qn[i] = qk_sh[j][0][COL(i)];
+            kn[i] = qk_sh[j][1][COL(i)];
+          }
+        }
+"""
+
+
+def lds4(text: str, gb2: bool = False) -> str:
+    text = sub(
+        text,
+        "    SHARED float qk_sh[CH][2][Dk];",
+        "    __align__(16) SHARED float qk_sh[CH][2][Dk];",
+    )
+    text = sub(
+        text,
+        "qk_sh[j][isq ? 0 : 1][SH(lane * NPT + i)] = x[i];",
+        "qk_sh[j][isq ? 0 : 1][lane * NPT + i] = x[i];",
+    )
+    text = sub(
+        text,
+        """        for (int i = 0; i < SPL; ++i) {
+          qn[i] = qk_sh[j][0][i * LH + hl];
+          kn[i] = qk_sh[j][1][i * LH + hl];
+        }
+""",
+        LDS4_READ,
+    )
+    if gb2:
+        text = sub(
+            text, "    SHARED float gb_sh[CH][2];", "    __align__(8) SHARED float gb_sh[CH][2];"
+        )
+        text = sub(
+            text,
+            "const float gt = gb_sh[j][0], bt = gb_sh[j][1];",
+            "const float2 gb2 = *(const float2*)&gb_sh[j][0];\n"
+            "        const float gt = gb2.x, bt = gb2.y;",
+        )
+    return text
+
+
+# The value rows' conv made once a chunk, one (row, step) a lane, where their inputs are loaded:
+# a step takes its activated values by one shuffle (the per-step conv and window slide gone).
+VACT = """      if (lane < C * R) V_LOAD(xin, lane % R, t0 + lane / R);
+      float vact = 0.0f;  // lane l < C R: value row l % R at step t0 + l / R, activated
+      {
+        const int r_ = lane % R, s_ = lane / R;
+        const int c_ = cv + r_;
+        float acc_ = 0.0f;
+        for (int kk = 0; kk < CK; ++kk) {
+          const int d = TW - kk;  // steps back
+          const float sh_ = LANE_SHUFFLE(xin, LANE_OFFSET((lane - d * R) & 31));
+          float in_ = xin;
+          if (d > 0) {
+            if (s_ - d >= 0) in_ = sh_;
+            else if (lane < C * R) in_ = static_cast<float>(CONV_IN(c_, t0 + s_ - d));
+          }
+          acc_ = acc_ + static_cast<float>(conv_w[c_ * CK + kk]) * in_;
+        }
+        if (lane < C * R) CONV_ACT(vact, acc_);
+      }
+"""
+LOAD_LINE = "      if (lane < C * R) V_LOAD(xin, lane % R, t0 + lane / R);\n"
+XV_LINE = (
+    "        for (int r = 0; r < RH; ++r) xv[r] = LANE_SHUFFLE(xin, "
+    "LANE_OFFSET(j * R + half * RH + r));\n"
+)
+PLAIN_TAKE = '    "V_TAKE": "for (int r = 0; r < RH; ++r) vt[r] = xv[r];",'
+
+
+def vact(text: str) -> str:
+    text = sub(text, LOAD_LINE, "      VALUE_ACT\n")
+    text = sub(text, XV_LINE, "")
+    new_plain = (
+        '    "V_TAKE": '
+        + repr(XV_LINE.strip() + "\n        for (int r = 0; r < RH; ++r) vt[r] = xv[r];")
+        + ",\n"
+        '    "VALUE_ACT": ' + repr(LOAD_LINE.strip()) + ","
+    )
+    text = sub(text, PLAIN_TAKE, new_plain)
+    i = text.index('    "V_TAKE": """for (int r = 0; r < RH; ++r) {\n          vw[r][TW] = xv[r];')
+    j = text.index('}""",', i) + len('}""",')
+    conv = (
+        '    "V_TAKE": "for (int r = 0; r < RH; ++r) vt[r] = LANE_SHUFFLE(vact, '
+        'LANE_OFFSET(j * R + half * RH + r));",\n    "VALUE_ACT": ' + repr(VACT) + ","
+    )
+    return text[:i] + conv + text[j:]
+
+
+PRELOAD = """    float wpre[CK], wk[CK];  // lane l < CH R: row l % R's conv weights, and the window inputs
+    {                        // the first chunk needs d steps back (at d - 1)
+      const int r_ = lane % R, s_ = lane / R;
+      for (int k = 0; k < CK; ++k) wk[k] = static_cast<float>(conv_w[(cv + r_) * CK + k]);
+      for (int d = 1; d < CK; ++d)
+        wpre[d - 1] = lane < CH * R && s_ - d < 0 ? static_cast<float>(CONV_IN(cv + r_, s_ - d)) : 0.0f;
+    }
+"""
+
+
+def vact2(text: str) -> str:
+    text = vact(text)
+    text = sub(
+        text, "    float vk[RH][CK], vw[RH][CK];", PRELOAD + "    float vk[RH][CK], vw[RH][CK];"
+    )
+    text = sub(
+        text,
+        "in_ = static_cast<float>(CONV_IN(c_, t0 + s_ - d));",
+        "in_ = t0 == 0 ? wpre[d - 1] : static_cast<float>(CONV_IN(c_, t0 + s_ - d));",
+    )
+    text = sub(text, "static_cast<float>(conv_w[c_ * CK + kk]) * in_", "wk[kk] * in_")
+    return text
+
+
+def variant(name: str) -> str:
+    text = SRC.read_text()
+    if name == "vact2":
+        return vact2(text)
+    if name == "lds4vact2":
+        return vact2(lds4(text))
+    if name == "vact":
+        return vact(text)
+    if name == "lds4vact":
+        return vact(lds4(text))
+    if name == "lds4":
+        return lds4(text)
+    if name == "lds4gb":
+        return lds4(text, gb2=True)
+    if name == "plain":
+        text = sub(
+            text,
+            "            STORE_ROW(s_t, s[r]);",
+            "            if (VW == 4) { for (int i = 0; i < SPL; i += 4) *(DEVICE float4*)(s_t + COL(i)) ="
+            " FLOAT4(s[r][i], s[r][i + 1], s[r][i + 2], s[r][i + 3]); }"
+            " else { for (int i = 0; i < SPL; ++i) s_t[COL(i)] = s[r][i]; }",
+        )
+        return text
+    nslot = 3 if name == "bulkall" else 2
+    text = sub(text, '_TEMPLATE = """\n', f'_TEMPLATE = """\n    constexpr int NSLOT = {nslot};\n')
+    text = sub(
+        text, "    SHARED float qk_sh[CH][2][Dk];", SH_ROW + "    SHARED float qk_sh[CH][2][Dk];"
+    )
+    old_keep = text[text.index('_KEEP = """') + len('_KEEP = """') :]
+    old_keep = old_keep[: old_keep.index('"""')]
+    text = sub(text, old_keep, KEEP_BULK)
+    if name == "bulkall":
+        text = sub(text, FINAL, FINAL_BULK)
+    else:  # the kernel must not exit before the last copy has read its slot
+        text = sub(text, FINAL, FINAL + "    if (lane == 0) gd_bulk_wait_read0();\n")
+    # CUDA only: the header carries the helpers; Metal would need its own (not built here)
+    text = sub(
+        text,
+        "header = _METAL_HEADER if metal else launch_bounds(_WARPS, CONV_MIN_BLOCKS) "
+        'if conv else ""',
+        "header = _METAL_HEADER if metal else (launch_bounds(_WARPS, CONV_MIN_BLOCKS) "
+        'if conv else "") + _BULK_HEADER',
+    )
+    text = sub(
+        text,
+        "_kernels: dict = {}",
+        "_kernels: dict = {}\n_BULK_HEADER = r'''" + BULK_HEADER + "'''",
+    )
+    return text
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    for name in (
+        "plain",
+        "bulk",
+        "bulkall",
+        "lds4",
+        "lds4gb",
+        "vact",
+        "lds4vact",
+        "vact2",
+        "lds4vact2",
+    ):
+        (out / f"gd_{name}.py").write_text(variant(name))
+        print(out / f"gd_{name}.py")
