@@ -5,6 +5,9 @@ plain:   the kept states' rows as plain 16-byte stores (not evict-first)
 bulk:    the kept states staged in shared memory, each warp's rows (R x Dk floats, contiguous
          in the output) sent by one sm_90 cp.async.bulk store, two slots a warp
 bulkall: bulk, and the final state too (a third slot)
+cluster: the conv kernel in sm_90 clusters of a value head's 8 threadgroups, which make a
+         chunk's q/k once between them (a task a warp of the cluster, written into all 8
+         threadgroups' shared memory) instead of once each; cluster barriers around it
 """
 
 import sys
@@ -206,8 +209,86 @@ def vact2(text: str) -> str:
     return text
 
 
+CLUSTER_HEADER = r"""
+__device__ __forceinline__ unsigned gd_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ unsigned gd_mapa(unsigned a, unsigned rank) {
+  unsigned ra;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+  return ra;
+}
+__device__ __forceinline__ void gd_st_cluster(unsigned a, float v) {
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(a), "f"(v) : "memory");
+}
+__device__ __forceinline__ void gd_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+}
+"""
+CL_PUT = """{
+          const unsigned a0 = static_cast<unsigned>(
+              __cvta_generic_to_shared(&qk_sh[j][isq ? 0 : 1][0]));
+          for (int rk = 0; rk < CLN; ++rk) {
+            const unsigned ra = gd_mapa(a0, rk);
+            for (int i = 0; i < NPT; ++i) gd_st_cluster(ra + 4u * SH(lane * NPT + i), x[i]);
+          }
+        }"""
+LOCAL_PUT = "for (int i = 0; i < NPT; ++i) qk_sh[j][isq ? 0 : 1][SH(lane * NPT + i)] = x[i];"
+CL_SPLICE = '''    cl = conv and not metal
+    for token, text in (("CL_SYNC", "gd_cluster_sync()" if cl else "BARRIER"),
+                        ("CL_RANK", "static_cast<int>(gd_rank())" if cl else "0"),
+                        ("CL_PUT", _CL_PUT if cl else _LOCAL_PUT), ("CLN", "8" if cl else "1")):
+        source = source.replace(token, text)
+'''
+SPELL_LINE = '    return spell(source.replace("THREAD_INDICES", _THREAD_INDICES[metal]), metal)'
+
+
+def cluster(text: str) -> str:
+    text = sub(
+        text,
+        "        BARRIER;  // every warp is done with the last chunk",
+        "        CL_SYNC;  // every warp of the cluster is done with the last chunk",
+    )
+    text = sub(
+        text,
+        "      for (int u = warp; u < 2 * C; u += WARPS) {",
+        "      for (int u = warp * CLN + crank; u < 2 * C; u += WARPS * CLN) {",
+    )
+    text = sub(text, "        " + LOCAL_PUT, "        CL_PUT")
+    text = sub(
+        text,
+        "        gb_sh[lane][1] = bt;\n      }\n      BARRIER;",
+        "        gb_sh[lane][1] = bt;\n      }\n      CL_SYNC;",
+    )
+    text = sub(
+        text,
+        "    const int half = lane / LH, hl = lane % LH;",
+        "    const int crank = CL_RANK;\n    const int half = lane / LH, hl = lane % LH;",
+    )
+    text = sub(text, SPELL_LINE, CL_SPLICE + SPELL_LINE)
+    text = sub(
+        text,
+        "_kernels: dict = {}",
+        "_kernels: dict = {}\n_CL_HEADER = r'''" + CLUSTER_HEADER + "'''\n_CL_PUT = '''"
+        + CL_PUT + "'''\n_LOCAL_PUT = '''" + LOCAL_PUT + "'''",
+    )
+    text = sub(
+        text,
+        "header = _METAL_HEADER if metal else launch_bounds(_WARPS, CONV_MIN_BLOCKS) "
+        'if conv else ""',
+        "header = _METAL_HEADER if metal else (_CL_HEADER + launch_bounds(_WARPS, "
+        'CONV_MIN_BLOCKS).replace(")\\n", ") __cluster_dims__(1, 8, 1)\\n")) if conv else ""',
+    )
+    return text
+
+
 def variant(name: str) -> str:
     text = SRC.read_text()
+    if name == "cluster":
+        return cluster(text)
     if name == "vact2":
         return vact2(text)
     if name == "lds4vact2":
@@ -270,6 +351,7 @@ if __name__ == "__main__":
         "lds4vact",
         "vact2",
         "lds4vact2",
+        "cluster",
     ):
         (out / f"gd_{name}.py").write_text(variant(name))
         print(out / f"gd_{name}.py")
