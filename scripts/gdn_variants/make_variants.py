@@ -237,12 +237,12 @@ CL_PUT = """{
           }
         }"""
 LOCAL_PUT = "for (int i = 0; i < NPT; ++i) qk_sh[j][isq ? 0 : 1][SH(lane * NPT + i)] = x[i];"
-CL_SPLICE = '''    cl = conv and not metal
+CL_SPLICE = """    cl = conv and not metal
     for token, text in (("CL_SYNC", "gd_cluster_sync()" if cl else "BARRIER"),
                         ("CL_RANK", "static_cast<int>(gd_rank())" if cl else "0"),
                         ("CL_PUT", _CL_PUT if cl else _LOCAL_PUT), ("CLN", "8" if cl else "1")):
         source = source.replace(token, text)
-'''
+"""
 SPELL_LINE = '    return spell(source.replace("THREAD_INDICES", _THREAD_INDICES[metal]), metal)'
 
 
@@ -272,8 +272,13 @@ def cluster(text: str) -> str:
     text = sub(
         text,
         "_kernels: dict = {}",
-        "_kernels: dict = {}\n_CL_HEADER = r'''" + CLUSTER_HEADER + "'''\n_CL_PUT = '''"
-        + CL_PUT + "'''\n_LOCAL_PUT = '''" + LOCAL_PUT + "'''",
+        "_kernels: dict = {}\n_CL_HEADER = r'''"
+        + CLUSTER_HEADER
+        + "'''\n_CL_PUT = '''"
+        + CL_PUT
+        + "'''\n_LOCAL_PUT = '''"
+        + LOCAL_PUT
+        + "'''",
     )
     text = sub(
         text,
