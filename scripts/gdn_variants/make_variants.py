@@ -240,13 +240,13 @@ LOCAL_PUT = "for (int i = 0; i < NPT; ++i) qk_sh[j][isq ? 0 : 1][SH(lane * NPT +
 CL_SPLICE = """    cl = conv and not metal
     for token, text in (("CL_SYNC", "gd_cluster_sync()" if cl else "BARRIER"),
                         ("CL_RANK", "static_cast<int>(gd_rank())" if cl else "0"),
-                        ("CL_PUT", _CL_PUT if cl else _LOCAL_PUT), ("CLN", "8" if cl else "1")):
+                        ("CL_PUT", _CL_PUT if cl else _LOCAL_PUT), ("CLN", "CLUSTER" if cl else "1")):
         source = source.replace(token, text)
 """
 SPELL_LINE = '    return spell(source.replace("THREAD_INDICES", _THREAD_INDICES[metal]), metal)'
 
 
-def cluster(text: str) -> str:
+def cluster(text: str, size: int = 8) -> str:
     text = sub(
         text,
         "        BARRIER;  // every warp is done with the last chunk",
@@ -287,13 +287,13 @@ def cluster(text: str) -> str:
         "header = _METAL_HEADER if metal else (_CL_HEADER + launch_bounds(_WARPS, "
         'CONV_MIN_BLOCKS).replace(")\\n", ") __cluster_dims__(1, 8, 1)\\n")) if conv else ""',
     )
-    return text
+    return text.replace("CLUSTER", str(size)).replace("(1, 8, 1)", f"(1, {size}, 1)")
 
 
 def variant(name: str) -> str:
     text = SRC.read_text()
-    if name == "cluster":
-        return cluster(text)
+    if name.startswith("cluster"):
+        return cluster(text, int(name[len("cluster") :] or 8))
     if name == "vact2":
         return vact2(text)
     if name == "lds4vact2":
@@ -357,6 +357,8 @@ if __name__ == "__main__":
         "vact2",
         "lds4vact2",
         "cluster",
+        "cluster4",
+        "cluster2",
     ):
         (out / f"gd_{name}.py").write_text(variant(name))
         print(out / f"gd_{name}.py")
