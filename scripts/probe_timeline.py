@@ -186,7 +186,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
     from mtpcli.engine.classic import generate_classic
 
     target, drafter = synthetic.build(args.shape, bits=args.bits)
-    prompt = [(7 * i + 3) % 1000 for i in range(64)]
+    prompt = [(7 * i + 3) % 1000 for i in range(args.prompt_tokens)]
     reference = list(generate_classic(target, prompt, max_tokens=args.tokens + 8))
     arms = [parse_arm(a) for a in args.arm or ["as_set"]]
 
@@ -284,6 +284,7 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3.8-27b")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--prompt-tokens", type=int, default=64, help="the prompt's length")
     ap.add_argument("--block-size", type=int, default=3)
     ap.add_argument("--simulate-acceptance", type=float, default=0.7)
     ap.add_argument("--out", type=Path, default=Path("."))

@@ -48,13 +48,16 @@ def _mtp(loaded, prompt, n, block, stats=None):
 @pytest.mark.parametrize("drafter", ["predictable", "random"])
 def test_mtp_equals_classic(load, moe, bits, drafter):
     loaded = load(moe=moe, bits=bits, drafter=drafter)
+    # A random drafter's rounds emit one token each, every one its deepest rollback: 24 tokens
+    # are 24 of them a block, and half the CPU time of 48 (no cache boundary lies between).
+    n = 24 if drafter == "random" else 48
     hist_by_block = {b: [0] * b for b in BLOCKS}
     for prompt in PROMPTS:
-        want = _classic(loaded, prompt, 48)
-        assert len(want) == 48
+        want = _classic(loaded, prompt, n)
+        assert len(want) == n
         for block in BLOCKS:
             stats = GenerationStats()
-            got = _mtp(loaded, prompt, 48, block, stats)
+            got = _mtp(loaded, prompt, n, block, stats)
             assert got == want, f"prompt {prompt[:6]}... block {block}"
             hist = stats.mtp.accept_histogram
             hist_by_block[block] = [a + b for a, b in zip(hist_by_block[block], hist, strict=True)]

@@ -112,7 +112,7 @@ def test_the_loops_are_marked_as_the_summary_reads_them(tmp_path, monkeypatch):
         monkeypatch.setenv("MTP_SUBMIT_EVERY", every)
         args = Namespace(shape="tiny", bits=4, tokens=12, block_size=3, simulate_acceptance=0.7,
                          out=tmp_path, arm=None, reps=1, host_profile=every == "1",
-                         wall_only=False)  # fmt: skip
+                         wall_only=False, prompt_tokens=8)  # fmt: skip
         s = probe.summary(probe.run(args)[0])
         rounds = marks.count("verify")
         assert marks.count("token") == 13 and rounds == marks.count("accept") > 2  # and the end
@@ -171,7 +171,7 @@ def test_arms_run_alternating_in_one_process_and_are_summarised_apart(tmp_path, 
     monkeypatch.delenv("MTP_SUBMIT_EVERY", raising=False)  # 0 on the CPU
     args = Namespace(shape="tiny", bits=4, tokens=12, block_size=3, simulate_acceptance=0.7,
                      out=tmp_path, arm=["base", "both:MTP_SUBMIT_EVERY=1,MTP_UNREAD=x"],
-                     reps=3, host_profile=False, wall_only=False)  # fmt: skip
+                     reps=3, host_profile=False, wall_only=False, prompt_tokens=8)  # fmt: skip
     s = probe.summary(probe.run(args)[0])
     # warm-up (base, both), then base both, both base, base both
     on, off = 1, 0
@@ -222,7 +222,7 @@ def test_wall_only_runs_without_a_tracer(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # importing it would fail
     args = Namespace(shape="tiny", bits=4, tokens=10, block_size=3, simulate_acceptance=0.7,
                      out=tmp_path, arm=["x", "y:MTP_SUBMIT_EVERY=2"], reps=2,
-                     host_profile=False, wall_only=True)  # fmt: skip
+                     host_profile=False, wall_only=True, prompt_tokens=8)  # fmt: skip
     events, runs = probe.run(args)
     assert events == []
     assert [(r["arm"], r["rep"]) for r in runs] == [
