@@ -304,6 +304,8 @@ def main() -> None:
     )
     ap.add_argument("--summary", type=Path, help="summarise a saved trace, run nothing")
     args = ap.parse_args()
+    if args.prompt_tokens < 1:
+        ap.error(f"--prompt-tokens {args.prompt_tokens}: a prompt needs at least one token")
     if args.summary:
         events = json.loads(args.summary.read_text())["traceEvents"]
         res = {"trace": str(args.summary)}

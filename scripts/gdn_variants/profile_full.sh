@@ -1,3 +1,7 @@
+#!/usr/bin/env bash
+# Device call 2 (after call 1 copied .devA): install MLX, then `ncu --set full` on one launch
+# each of the product's gated-delta kernel (profile_full.py); details, the SASS source page
+# (gzipped) and raw metrics to $OUT.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 S=$OUT/summary.txt
