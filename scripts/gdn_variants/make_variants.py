@@ -323,7 +323,9 @@ def ptrs(text: str) -> str:
         "          for (int r = 0; r < RH; ++r) y_[t * Hv * Dv + half * RH + r] = static_cast<InT>(o[r]);",
         "          for (int r = 0; r < RH; ++r) y_[half * RH + r] = static_cast<InT>(o[r]);",
     )
-    text = sub(text, "        KEEP_STATES\n      }", "        KEEP_STATES\n        y_ += Hv * Dv;\n      }")
+    text = sub(
+        text, "        KEEP_STATES\n      }", "        KEEP_STATES\n        y_ += Hv * Dv;\n      }"
+    )
     text = sub(
         text,
         "            DEVICE float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dh + r) * Dk;",
