@@ -150,7 +150,7 @@ def test_emulated_rows_per_warp_do_not_change_a_bit(rows):
     [
         ("s[r][i] = s[r][i] * gt;", "s[r][i] = s[r][i];", 3),  # the decay forgotten
         ("hv * v_strides[2]", "hv * v_strides[3]", 3),  # a wrong stride
-        ("(size_t)t * B * Hv", "(size_t)(T - 2 - t) * B * Hv", 3),  # states kept in reverse
+        ("st_ += (size_t)B * Hv * Dv * Dk;", "", 3),  # every kept state in the first slot
         ("(t0 + j) * q_strides[1]", "j * q_strides[1]", 11),  # every chunk reads the first's q
         ("(t0 + lane) * gs", "lane * gs", 11),  # and its gates
         ("t0 + lane / R", "lane / R", 11),  # and its values

@@ -136,6 +136,7 @@ _TEMPLATE = """
     SHARED float gb_sh[CH][2];  // a chunk's decay (0) and beta (1)
     CONV_COPY
     static_assert(CH * R <= 32, "a chunk's value inputs are loaded by the lanes of one warp");
+    KEEP_INIT
     float xin = 0.0f;  // lane l < C R: value row l % R's input at the chunk's step l / R
     for (int t0 = 0; t0 < T; t0 += CH) {
       const int C = min(CH, T - t0);
@@ -192,9 +193,10 @@ _TEMPLATE = """
           for (int r = 0; r < RH; ++r) o[r] = o[r] + XOR_SHUFFLE(o[r], off);
         }
         if (hl == 0) {
-          for (int r = 0; r < RH; ++r) y_[t * Hv * Dv + half * RH + r] = static_cast<InT>(o[r]);
+          for (int r = 0; r < RH; ++r) y_[half * RH + r] = static_cast<InT>(o[r]);
         }
         KEEP_STATES
+        y_ += Hv * Dv;  // pointers moved on a step, not addresses made again (a step's issue)
       }
     }
     for (int r = 0; r < RH; ++r) {
@@ -218,12 +220,14 @@ _THREAD_INDICES = {
 
 # The splices. Only the keep-states variant has the ``states`` output [T - 1, B, Hv, Dv, Dk]:
 # the store after each step but the last (which is state_out) is spliced in, so both variants
-# run the same arithmetic.
+# run the same arithmetic. st_ is the half's first row in step t's states.
+_KEEP_INIT = "DEVICE float* st_ = states + ((size_t)n * Dv + dh) * Dk;"
 _KEEP = """if (t + 1 < T) {
           for (int r = 0; r < RH; ++r) {
-            DEVICE float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dh + r) * Dk;
+            DEVICE float* s_t = st_ + r * Dk;
             STORE_ROW(s_t, s[r]);
           }
+          st_ += (size_t)B * Hv * Dv * Dk;
         }"""
 # g_/b_ and gs/bs name the two gate inputs and their time strides; GATES makes the decay gt
 # and beta bt from one step's gx, bx; QK normalises one loaded q (isq) or k row x in place.
@@ -298,15 +302,24 @@ _CONV_READ = {
     #define CONV_ACT(dst, acc) { \\
       const float h_ = RD(acc); \\
       dst = RD(h_ * RD(1.0f / (1.0f + expf(-h_)))); }
-    #define CONV_SILU(dst, c, t) { \\
-      float acc_ = 0.0f; \\
-      for (int kk_ = 0; kk_ < CK; ++kk_) \\
-        acc_ = acc_ + static_cast<float>(conv_w[(c) * CK + kk_]) \\
-            * static_cast<float>(CONV_IN(c, (t) - TW + kk_)); \\
-      CONV_ACT(dst, acc_); }
     #define V_LOAD(dst, r, t) dst = static_cast<float>(x_[(t) * xs + (cv + (r)) * xc])""",
     "QK_LOAD": """const int c0 = (isq ? 0 : Hk * Dk) + hk * Dk + lane * NPT;  // the lane's first
-        for (int i = 0; i < NPT; ++i) CONV_SILU(x[i], c0 + i, t0 + j);""",
+        // Each tap's input of channel c0 (the window's or qkv's) and its channel stride, chosen
+        // once a task: per (channel, tap), a branch and a 64-bit address were a third of it.
+        DEVICE const InT* tap_[CK];
+        int tc_[CK];
+        for (int kk_ = 0; kk_ < CK; ++kk_) {
+          const int s_ = t0 + j - TW + kk_;
+          tap_[kk_] = s_ < 0 ? w_ + (s_ + TW) * ws + c0 * wc : x_ + s_ * xs + c0 * xc;
+          tc_[kk_] = s_ < 0 ? wc : xc;
+        }
+        for (int i = 0; i < NPT; ++i) {  // the conv's sum in tap order, then as CONV_ACT
+          float acc_ = 0.0f;
+          for (int kk_ = 0; kk_ < CK; ++kk_)
+            acc_ = acc_ + static_cast<float>(conv_w[(c0 + i) * CK + kk_])
+                * static_cast<float>(tap_[kk_][i * tc_[kk_]]);
+          CONV_ACT(x[i], acc_);
+        }""",
     # The conv's other outputs, one (channel, slot) a thread: the warps' value rows, then
     # key head hk's q and k channels spread over the threadgroups of its value heads. Then
     # each warp's value rows: their conv weights and window in registers.
@@ -353,6 +366,7 @@ def _source(metal: bool, keep: bool, raw: bool, conv: bool = False) -> str:
     """The kernel body of one variant for one backend, its splices filled in (``conv``: the
     raw variant that makes q, k and v from the conv's inputs itself)."""
     source = _TEMPLATE.replace("KEEP_STATES", _KEEP if keep else "")
+    source = source.replace("KEEP_INIT", _KEEP_INIT if keep else "")
     for name, text in (_CONV_READ if conv else _READ).items():
         source = source.replace(name, text)
     for name, text in (_RAW if raw or conv else _PLAIN).items():

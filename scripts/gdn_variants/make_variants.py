@@ -8,10 +8,8 @@ bulkall: bulk, and the final state too (a third slot)
 cluster: the conv kernel in sm_90 clusters of a value head's 8 threadgroups, which make a
          chunk's q/k once between them (a task a warp of the cluster, written into all 8
          threadgroups' shared memory) instead of once each; cluster barriers around it
-taps:    a q/k task's conv reads each tap through one pointer chosen (window or input) once a
-         task, not a branch and a 64-bit address per (channel, tap)
-ptrs:    taps, and the kept states and outputs stored through pointers advanced a step at a
-         time, not addresses made again each step
+(taps and ptrs, session 30, are in the product since: its q/k conv's tap pointers, and the y
+and kept-state pointers moved a step at a time; commit a1628b4 has their generator)
 """
 
 import sys
@@ -294,63 +292,8 @@ def cluster(text: str, size: int = 8) -> str:
     return text.replace("CLUSTER", str(size)).replace("(1, 8, 1)", f"(1, {size}, 1)")
 
 
-TAPS_OLD = """for (int i = 0; i < NPT; ++i) CONV_SILU(x[i], c0 + i, t0 + j);\"\"\","""
-TAPS_NEW = """DEVICE const InT* tap_[CK];  // the tap's input of channel c0 (window or qkv)
-        int tc_[CK];  // and its channel stride
-        for (int kk_ = 0; kk_ < CK; ++kk_) {
-          const int s_ = t0 + j - TW + kk_;
-          tap_[kk_] = s_ < 0 ? w_ + (s_ + TW) * ws + c0 * wc : x_ + s_ * xs + c0 * xc;
-          tc_[kk_] = s_ < 0 ? wc : xc;
-        }
-        for (int i = 0; i < NPT; ++i) {
-          float acc_ = 0.0f;
-          for (int kk_ = 0; kk_ < CK; ++kk_)
-            acc_ = acc_ + static_cast<float>(conv_w[(c0 + i) * CK + kk_])
-                * static_cast<float>(tap_[kk_][i * tc_[kk_]]);
-          CONV_ACT(x[i], acc_);
-        }\"\"\","""
-
-
-def taps(text: str) -> str:
-    return sub(text, TAPS_OLD, TAPS_NEW)
-
-
-def ptrs(text: str) -> str:
-    text = taps(text)
-    # a step's y and kept state rows: pointers advanced a step at a time
-    text = sub(
-        text,
-        "          for (int r = 0; r < RH; ++r) y_[t * Hv * Dv + half * RH + r] = static_cast<InT>(o[r]);",
-        "          for (int r = 0; r < RH; ++r) y_[half * RH + r] = static_cast<InT>(o[r]);",
-    )
-    text = sub(
-        text, "        KEEP_STATES\n      }", "        KEEP_STATES\n        y_ += Hv * Dv;\n      }"
-    )
-    text = sub(
-        text,
-        "            DEVICE float* s_t = states + (((size_t)t * B * Hv + n) * Dv + dh + r) * Dk;",
-        "            DEVICE float* s_t = st_ + r * Dk;",
-    )
-    text = sub(
-        text,
-        "            STORE_ROW(s_t, s[r]);\n          }\n        }",
-        "            STORE_ROW(s_t, s[r]);\n          }\n          st_ += (size_t)B * Hv * Dv * Dk;\n        }",
-    )
-    text = sub(
-        text,
-        '    source = _TEMPLATE.replace("KEEP_STATES", _KEEP if keep else "")',
-        '    source = _TEMPLATE.replace("KEEP_STATES", _KEEP if keep else "").replace(\n'
-        '        "PTR_INIT", "DEVICE float* st_ = states + ((size_t)n * Dv + dh) * Dk;" if keep else "")',
-    )
-    return sub(text, "    float xin = 0.0f;", "    PTR_INIT\n    float xin = 0.0f;")
-
-
 def variant(name: str) -> str:
     text = SRC.read_text()
-    if name == "taps":
-        return taps(text)
-    if name == "ptrs":
-        return ptrs(text)
     if name.startswith("cluster"):
         return cluster(text, int(name[len("cluster") :] or 8))
     if name == "vact2":
@@ -418,8 +361,6 @@ if __name__ == "__main__":
         "cluster",
         "cluster4",
         "cluster2",
-        "taps",
-        "ptrs",
     ):
         (out / f"gd_{name}.py").write_text(variant(name))
         print(out / f"gd_{name}.py")
