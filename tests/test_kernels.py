@@ -168,7 +168,7 @@ def test_metal_source_mirrors_cuda_line_by_line(keep, raw, conv):
         ("simd_shuffle(", "__shfl_sync(0xffffffffu, "),
         ("store1(", "__stcs("), ("store4(", "__stcs("), ("float4(", "make_float4("),
         ("rsqrt(", "rsqrtf("), ("exp(", "expf("), ("log(", "logf("), ("fmax(", "fmaxf("),
-        ("fabs(", "fabsf("),
+        ("fabs(", "fabsf("), ("fma(", "fmaf("),
     ]  # fmt: skip
     metal = gd._source(True, keep, raw, conv)
     for a, b in metal_to_cuda:
