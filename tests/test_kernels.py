@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mtpcli import kernels
@@ -358,6 +359,39 @@ def test_cuda_folded_conv_kernel_keeps_chain_parity(T):
     assert _bitwise(new_window, w) and _bitwise(inputs, mx.concatenate([window, qkv], axis=1))
     if T > 1:
         assert _bitwise(states, mx.stack(kept[:-1]))
+
+
+def _sigmoid_denominators() -> np.ndarray:
+    """1 + exp(-h) over every h a bf16 conv output reaches and beyond (to inf), powers of two
+    with random mantissas up to 2^127, and the edges of RCP1's range; float32."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([
+        1.0 + np.exp(-rng.uniform(-100.0, 30.0, 200_000)),
+        2.0 ** rng.uniform(0.0, 127.0, 100_000),
+        [1.0, 1.0 + 2.0**-23, 2.0**126 * (1 - 2.0**-24), 2.0**126, 3e38, np.inf],
+    ])  # fmt: skip
+    with np.errstate(over="ignore"):
+        return x.astype(np.float32)
+
+
+@cuda
+def test_cuda_reciprocal_is_the_ieee_quotient_below_2_to_126():
+    """RCP1, the kernels' 1 / x for a sigmoid's denominator, on the GPU: bitwise the correctly
+    rounded float32 quotient for 1 <= x < 2^126 (the division it replaces), 0 from there."""
+    x = _sigmoid_denominators()
+    kernel = mx.fast.cuda_kernel(
+        name="rcp1_probe", input_names=["x"], output_names=["y"],
+        source=kernels.RCP1 + """
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < x_shape[0]) y[i] = RCP1(x[i]);""",
+    )  # fmt: skip
+    (y,) = kernel(inputs=[mx.array(x)], grid=(x.size, 1, 1), threadgroup=(256, 1, 1),
+                  output_shapes=[x.shape], output_dtypes=[mx.float32])  # fmt: skip
+    with np.errstate(divide="ignore"):
+        want = np.where(x < np.float32(2.0**126), np.float32(1.0) / x, np.float32(0.0))
+    got = np.array(y)
+    assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+    assert (x >= 2.0**126).sum() > 1000 and (x < 2.0**126).sum() > 100_000
 
 
 @cuda

@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import available, backend, built, constant, kernel_name, use_native
+from . import RCP1, available, backend, built, constant, kernel_name, use_native
 
 
 def conv_silu_ops(x: mx.array, window: mx.array, weight: mx.array):
@@ -35,8 +35,11 @@ def conv_silu_ops(x: mx.array, window: mx.array, weight: mx.array):
 # the fused input projection; after a rollback the window is a view into the last verify's
 # inputs); the weight is row-contiguous. The conv sums its K products in
 # float32 from the oldest input, rounds to the input dtype, and SiLU rounds as MLX's
-# x * sigmoid(x) does. The Metal source mirrors the CUDA source line by line.
-_CUDA_SOURCE = """
+# x * sigmoid(x) does (its 1 / x as the folded kernel's, RCP1). The Metal source mirrors the
+# CUDA source line by line.
+_CUDA_SOURCE = (
+    RCP1
+    + """
     #define CONV_RD(v) static_cast<float>(static_cast<InT>(v))
     const int T = x_shape[1];
     const int C = x_shape[2];
@@ -61,7 +64,7 @@ _CUDA_SOURCE = """
         float acc = 0.0f;
         for (int k = 0; k < K; ++k) acc = acc + wk[k] * static_cast<float>(last[k]);
         const float h = CONV_RD(acc);
-        const float sg = CONV_RD(1.0f / (1.0f + expf(-h)));
+        const float sg = CONV_RD(RCP1(1.0f + expf(-h)));
         y_[(size_t)t * C] = static_cast<InT>(h * sg);
         for (int k = 0; k < K - 1; ++k) last[k] = last[k + 1];
       }
@@ -69,8 +72,11 @@ _CUDA_SOURCE = """
     }
     #undef CONV_RD
 """
+)
 
-_METAL_SOURCE = """
+_METAL_SOURCE = (
+    RCP1
+    + """
     #define CONV_RD(v) static_cast<float>(static_cast<InT>(v))
     const int T = x_shape[1];
     const int C = x_shape[2];
@@ -95,7 +101,7 @@ _METAL_SOURCE = """
         float acc = 0.0f;
         for (int k = 0; k < K; ++k) acc = acc + wk[k] * static_cast<float>(last[k]);
         const float h = CONV_RD(acc);
-        const float sg = CONV_RD(1.0f / (1.0f + exp(-h)));
+        const float sg = CONV_RD(RCP1(1.0f + exp(-h)));
         y_[(size_t)t * C] = static_cast<InT>(h * sg);
         for (int k = 0; k < K - 1; ++k) last[k] = last[k + 1];
       }
@@ -103,6 +109,7 @@ _METAL_SOURCE = """
     }
     #undef CONV_RD
 """
+)
 
 _THREADS = 256
 _kernels: dict = {}

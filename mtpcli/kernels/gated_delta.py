@@ -15,7 +15,17 @@ import itertools
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from . import available, backend, built, constant, kernel_name, launch_bounds, spell, use_native
+from . import (
+    RCP1,
+    available,
+    backend,
+    built,
+    constant,
+    kernel_name,
+    launch_bounds,
+    spell,
+    use_native,
+)
 from .conv_window import conv_silu, conv_silu_ops
 
 
@@ -298,24 +308,12 @@ _CONV_READ = {
     const int cv = 2 * Hk * Dk + hv * Dv + dv;  // the warp's first value channel
     // channel c's input at step s (the window's for s < 0)
     #define CONV_IN(c, s) ((s) < 0 ? w_[((s) + TW) * ws + (c) * wc] : x_[(s) * xs + (c) * xc])
-    // 1 / x for x >= 1. On CUDA: the IEEE division's fast path alone (so correctly rounded for
-    // x < 2^126; 0 beyond, where 1 / x < 2^-126) without its range check and slow-path
-    // branch, which cost a step's issue and kept the compiler from moving work across it.
-    #ifdef __CUDA_ARCH__
-    const auto rcp1 = [](float x) {
-      float r;
-      asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-      return x < 0x1p126f ? fmaf(r, -fmaf(x, r, -1.0f), r) : 0.0f;
-    };
-    #define RCP1(x) rcp1(x)
-    #else
-    #define RCP1(x) (1.0f / (x))
-    #endif
     // the conv's sum rounded to the input dtype, then SiLU as MLX's x * sigmoid(x) rounds
     #define CONV_ACT(dst, acc) { \\
       const float h_ = RD(acc); \\
       dst = RD(h_ * RD(RCP1(1.0f + expf(-h_)))); }
-    #define V_LOAD(dst, r, t) dst = static_cast<float>(x_[(t) * xs + (cv + (r)) * xc])""",
+    #define V_LOAD(dst, r, t) dst = static_cast<float>(x_[(t) * xs + (cv + (r)) * xc])"""
+    + RCP1,
     "QK_LOAD": """const int c0 = (isq ? 0 : Hk * Dk) + hk * Dk + lane * NPT;  // the lane's first
         // Each tap's input of channel c0 (the window's or qkv's) and its channel stride, chosen
         // once a task: per (channel, tap), a branch and a 64-bit address were a third of it.
