@@ -26,7 +26,7 @@ for path in sys.argv[1:]:
     ]:
         heads = heads or (tke.HK, tke.DK, tke.HV, tke.DV)
         x = tke._conv_layer_inputs(T, seed=60 + T, heads=heads)
-        hdr = getattr(v, "_BULK_HEADER", "") + getattr(v, "_RCP", "")
+        hdr = getattr(v, "_BULK_HEADER", "")
         hk, dk, hv, dv = heads
         K, nc = x["conv_w"].shape[1], x["qkv"].shape[2]
         outputs = {"y": (1, T, hv, dv), "state_out": (1, hv, dv, dk)}
