@@ -1,5 +1,5 @@
 """The gated-delta kernel (the conv folded in, the product's variant) at several threadgroup
-geometries: W warps of R value rows, launch bound MB blocks a multiprocessor.
+geometries: W warps of R value rows, launch bound MB blocks a multiprocessor, L lanes a row.
 
     ncu --profile-from-start off --clock-control none --csv --metrics gpu__time_duration.sum \\
         -k regex:mtp_gated_delta python scripts/bench_gdn_geometry.py > DIR/sweep.csv
@@ -14,8 +14,9 @@ geometries: W warps of R value rows, launch bound MB blocks a multiprocessor.
 One layer of the 27B shape (16 key heads, 48 value heads, 128 x 128, conv width 4), bf16:
 each geometry launched at T = 1 (no states, as a decode step), T = 2, 3, 4, 8 with states and
 T = 3 without, REPEATS times each between cuProfilerStart and Stop, after one launch that
-compiles it and whose outputs are compared bitwise with the first geometry's (a row's
-arithmetic depends on neither W nor R, so any difference is a bug). The launch order and the
+compiles it and whose outputs are compared bitwise with the first geometry's of the same L (a
+row's arithmetic depends on neither W nor R, so any difference is a bug; L sets how a lane's
+columns are summed). The launch order and the
 comparisons are printed as one JSON line after the profile; ``--summary`` maps the CSV back to
 it (a count that differs is an error). After the profile each geometry's T = 3 launch with
 states is checked against three chained one-step launches (bitwise: chain parity, what MTP ==
@@ -28,7 +29,8 @@ another script with the kernel's geometry set, for a whole step under the profil
 after each) per T after a warm-up; under ``-k regex:gated_delta`` the summary is the sum of a
 step's 48 launches, median (min-max) of the REPEATS steps, and each T's ratio to T = 1.
 ``--module FILE`` runs another version of ``mtpcli/kernels/gated_delta.py`` (an earlier
-commit's, an experiment) in its place, for either. Needs CUDA.
+commit's, an experiment) in its place, for either; ``--geometry W R MB L`` one geometry for
+either (the sweep's only one, the steps' kernel). Needs CUDA.
 """
 
 from __future__ import annotations
@@ -51,15 +53,18 @@ from bench_qmm import kernel_durations_us, profiled  # noqa: E402 - a sibling sc
 
 HK, HV, DK, DV, K = 16, 48, 128, 128, 4
 NC = 2 * HK * DK + HV * DV
-GEOMETRIES = [(8, 2, 3), (4, 2, 6), (8, 4, 2), (4, 4, 4)]  # R even: a row a half-warp or two
+# (W, R, MB, L): R a multiple of 32 / L
+GEOMETRIES = [(8, 2, 3, 16), (8, 4, 2, 8), (4, 4, 3, 8), (8, 8, 2, 4), (4, 8, 2, 4)]
 CASES = [(1, False), (2, True), (3, True), (3, False), (4, True), (8, True)]
 REPEATS = 5
 
 
-def _set(warps: int, rows: int | None, min_blocks: int) -> None:
+def _set(warps: int, rows: int | None, min_blocks: int, lanes: int | None = None) -> None:
     gd._WARPS, gd.CONV_MIN_BLOCKS = warps, min_blocks
     if rows is not None:
         gd._ROWS = rows
+    if lanes is not None:
+        gd._LANES = lanes
     gd._kernels.clear()
 
 
@@ -151,19 +156,21 @@ def sweep(dump: Path | None = None) -> None:
 
             out = launch()
             mx.eval(out)
-            if (T, keep) in first:
+            key = (geometry[3:], T, keep)  # L, where given
+            if key in first:
                 bitwise[f"{geometry} T{T} keep {keep}"] = all(
                     bool(mx.array_equal(a, b).item())
-                    for a, b in zip(out, first[(T, keep)], strict=True) if a is not None
+                    for a, b in zip(out, first[key], strict=True) if a is not None
                 )  # fmt: skip
             else:
-                first[(T, keep)] = out
+                first[key] = out
             profiled(launch, REPEATS)
             order.append([list(geometry), T, keep])
         checks[str(geometry)] = chain_check(gd.gated_delta_conv_native)
     if dump is not None:
-        saved = {f"T{T} keep {keep} {i}": x for (T, keep), out in first.items()
-                 for i, x in enumerate(out) if x is not None}  # fmt: skip
+        lanes = GEOMETRIES[0][3:]  # the first geometry's outputs
+        saved = {f"T{T} keep {keep} {i}": x for (L, T, keep), out in first.items()
+                 if L == lanes for i, x in enumerate(out) if x is not None}  # fmt: skip
         mx.save_safetensors(str(dump), saved)
     print(json.dumps({"order": order, "bitwise_vs_first": bitwise, "checks": checks}))
 
@@ -229,7 +236,7 @@ def summary(text: str) -> dict:
         table.setdefault(str(tuple(geometry)), {})[case] = [statistics.median(xs), min(xs), max(xs)]
     cases = list(dict.fromkeys(c for row in table.values() for c in row))  # launch order
     ratios = [c for c in ("T3 states", "T3") if c in cases and "T1" in cases]
-    print("| W, R, MB | " + " | ".join(cases + [f"{c} / T1" for c in ratios]) + " |")
+    print("| W, R, MB, L | " + " | ".join(cases + [f"{c} / T1" for c in ratios]) + " |")
     print("|---" * (len(cases) + len(ratios) + 1) + "|")
     for geometry, row in table.items():
         cells = [f"{row[c][0]:.2f}" if c in row else "" for c in cases]
@@ -276,6 +283,8 @@ def main() -> None:
         default=None,
         help="FILE FILE ...: whether --dump outputs are bitwise the first file's",
     )
+    ap.add_argument("--geometry", type=int, nargs=4, default=None, metavar=("W", "R", "MB", "L"),
+                    help="one geometry: the sweep's only one, or the steps' kernel")  # fmt: skip
     ap.add_argument("--with", dest="with_", nargs=argparse.REMAINDER, default=None,
                     help="W MB SCRIPT ARGS: run SCRIPT with that geometry")  # fmt: skip
     args = ap.parse_args()
@@ -286,6 +295,9 @@ def main() -> None:
         raise SystemExit(f"--dump {args.dump}: name it *.safetensors (MLX would append it)")
     if args.module:
         use_module(args.module)
+    if args.geometry:
+        GEOMETRIES[:] = [tuple(args.geometry)]
+        _set(*args.geometry)
     if args.compare:
         print(json.dumps(compare(args.compare)))
     elif args.summary:

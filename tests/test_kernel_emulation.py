@@ -154,7 +154,7 @@ def test_emulated_rows_per_warp_do_not_change_a_bit(rows):
         ("(t0 + j) * q_strides[1]", "j * q_strides[1]", 11),  # every chunk reads the first's q
         ("(t0 + lane) * gs", "lane * gs", 11),  # and its gates
         ("t0 + lane / R", "lane / R", 11),  # and its values
-        ("int(j * R + half * RH + r)", "int(half * RH + r)", 3),  # every step takes the first's v
+        ("int(j * R + grp * RH + r)", "int(grp * RH + r)", 3),  # every step takes the first's v
     ],
     ids=["decay", "stride", "states", "chunk_q", "chunk_gates", "chunk_v", "step_v"],
 )

@@ -80,6 +80,7 @@ _SPELLINGS = {
         "WARP_SYNC": "__syncwarp()",
         "KERNEL_FN ": "__device__ __forceinline__ ",  # a header's helper function
         "THREAD ": "",  # the address space of a thread's own arrays
+        "ALIGN16 ": "__align__(16) ",  # a shared array read in 16-byte runs
     },
     True: {  # Metal
         "DEVICE ": "device ",
@@ -100,6 +101,7 @@ _SPELLINGS = {
         "fmaf(": "fma(",
         "KERNEL_FN ": "inline ",
         "THREAD ": "thread ",
+        "ALIGN16 ": "",
         "exp2f(": "exp2(",
         "rintf(": "rint(",
         "cosf(": "cos(",

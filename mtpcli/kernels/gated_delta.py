@@ -82,12 +82,13 @@ def _no_states(state: mx.array) -> mx.array:
 
 # T and B are read from k's shape at run time, so one compiled variant serves every block and
 # prompt length. A threadgroup is WARPS warps (CUDA) / SIMD-groups (Metal) of one head, each
-# warp R value rows (R even): the warp's two halves hold R/2 rows each, side by side, lane l
-# of a half holding Dk/16 columns of each of its half's rows, in runs of 4 (4l..4l+3, then 64
-# further on; COL); the dot products are butterfly reductions over the 16 lanes of a half in a
-# fixed order, so one shuffle serves two rows, the RH rows' reductions interleaved. A lane
-# writes a run as one 16-byte store, and the chunk's q and k sit in shared memory permuted
-# (SH) so that a half's lanes read 16 consecutive words (no bank conflicts).
+# warp R value rows. A row is held by a group of LH = LANES lanes (32 / LH groups a warp, R
+# a multiple of them, RH rows a group), lane l of a group holding Dk/LH columns of each of its
+# group's rows in runs of 4 (4l..4l+3, then 4 LH further on; COL). A dot product is summed
+# along a lane's columns in at most 4 partial sums of at most 8 terms (a shorter dependent
+# chain), then a butterfly over the group's lanes in a fixed order, so one shuffle serves a
+# row of each group. A lane writes a run as one 16-byte store and reads a run of the chunk's
+# q or k from shared memory as 4 adjacent words.
 # The steps go in chunks of up to CH: a chunk's q/k normalisation and gates do not depend on
 # the state, so the threadgroup makes them once, spread over its warps, into shared memory,
 # and every warp's steps read them there (made in each warp, they were about half of a step's
@@ -99,12 +100,14 @@ def _no_states(state: mx.array) -> mx.array:
 # compute_g and sigmoid(b) itself (saving seven launches per layer per step).
 _TEMPLATE = """
     constexpr int NPT = Dk / 32;  // a lane's columns of a q/k row (all 32 lanes make one)
-    constexpr int LH = 16;  // a state row's lanes: half a warp
+    constexpr int LH = LANES;  // a state row's lanes: a group
+    constexpr int NG = 32 / LH;  // a warp's groups
     constexpr int SPL = Dk / LH;  // a lane's columns of a state row
     constexpr int VW = SPL % 4 == 0 ? 4 : 1;  // in runs of VW adjacent columns
-    constexpr int RH = R / 2;  // a lane's state rows: its half's
-    static_assert(R % 2 == 0, "a warp's two halves hold as many rows");
-    constexpr int CH = 8;
+    constexpr int NA = SPL >= 32 ? 4 : SPL >= 16 ? 2 : 1;  // a dot product's partial sums
+    constexpr int RH = R / NG;  // a lane's state rows: its group's
+    static_assert(R % NG == 0, "a warp's groups hold as many rows");
+    constexpr int CH = R > 4 ? 32 / R : 8;
     static_assert(CH <= 32, "a chunk's gates are made by the lanes of one warp");
     const int B = TIMED_shape[0];
     const int T = TIMED_shape[1];
@@ -117,14 +120,13 @@ _TEMPLATE = """
     GATE_INPUTS
     // The state is read through its strides: after a rollback it is a view into the last
     // verify's per-step states, and a fresh cache's zeros may be a broadcast.
-    const int half = lane / LH, hl = lane % LH;  // the lane's half and its lane there
-    // The column of a lane's i-th: a half's lanes' runs side by side, then the next runs.
+    const int grp = lane / LH, hl = lane % LH;  // the lane's group and its lane there
+    // The column of a lane's i-th: a group's lanes' runs side by side, then the next runs.
     #define COL(i) (((i) / VW) * (VW * LH) + VW * hl + (i) % VW)
-    // Where column c of a step's q or k sits in shared memory: lane hl's i-th at i LH + hl,
-    // so that a half's lanes read 16 consecutive words (no bank conflicts).
-    #define SH(c) \
-      ((((c) / (VW * LH)) * VW + (c) % VW) * LH + ((c) % (VW * LH)) / VW)
-    const int dh = dv + half * RH;  // the half's first row
+    // A dot product's NA partial sums p, added in a fixed order.
+    #define PSUM(p) \
+      (NA == 4 ? ((p)[0] + (p)[1]) + ((p)[2] + (p)[3]) : NA == 2 ? (p)[0] + (p)[1] : (p)[0])
+    const int dh = dv + grp * RH;  // the group's first row
     float s[RH][SPL];
     // A lane's columns of a state row into an output row, a run a 16-byte store where runs
     // are 4 long (16-byte aligned: rows of Dk), evict-first on CUDA (the next reader is the
@@ -142,7 +144,7 @@ _TEMPLATE = """
           + (dh + r) * state_in_strides[2];
       for (int i = 0; i < SPL; ++i) s[r][i] = s_in[COL(i) * state_in_strides[3]];
     }
-    SHARED float qk_sh[CH][2][Dk];  // a chunk's normalised q (0) and k (1)
+    ALIGN16 SHARED float qk_sh[CH][2][Dk];  // a chunk's normalised q (0) and k (1)
     SHARED float gb_sh[CH][2];  // a chunk's decay (0) and beta (1)
     CONV_COPY
     static_assert(CH * R <= 32, "a chunk's value inputs are loaded by the lanes of one warp");
@@ -160,7 +162,7 @@ _TEMPLATE = """
         float x[NPT];
         QK_LOAD
         QK
-        for (int i = 0; i < NPT; ++i) qk_sh[j][isq ? 0 : 1][SH(lane * NPT + i)] = x[i];
+        for (int i = 0; i < NPT; ++i) qk_sh[j][isq ? 0 : 1][lane * NPT + i] = x[i];
       }
       if (warp == WARPS - 1 && lane < C) {
         const float gx = static_cast<float>(g_[(t0 + lane) * gs]);
@@ -174,36 +176,38 @@ _TEMPLATE = """
         const int t = t0 + j;
         float qn[SPL], kn[SPL], xv[RH], vt[RH];
         for (int i = 0; i < SPL; ++i) {
-          qn[i] = qk_sh[j][0][i * LH + hl];
-          kn[i] = qk_sh[j][1][i * LH + hl];
+          qn[i] = qk_sh[j][0][COL(i)];  // a run: one 16-byte read on CUDA
+          kn[i] = qk_sh[j][1][COL(i)];
         }
-        for (int r = 0; r < RH; ++r) xv[r] = LANE_SHUFFLE(xin, LANE_OFFSET(j * R + half * RH + r));
+        for (int r = 0; r < RH; ++r) xv[r] = LANE_SHUFFLE(xin, LANE_OFFSET(j * R + grp * RH + r));
         V_TAKE
         const float gt = gb_sh[j][0], bt = gb_sh[j][1];
         float kv[RH], o[RH];
         for (int r = 0; r < RH; ++r) {
-          kv[r] = 0.0f;
+          float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           for (int i = 0; i < SPL; ++i) {
             s[r][i] = s[r][i] * gt;
-            kv[r] = kv[r] + s[r][i] * kn[i];
+            p[i % NA] = p[i % NA] + s[r][i] * kn[i];
           }
+          kv[r] = PSUM(p);
         }
         for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {
           for (int r = 0; r < RH; ++r) kv[r] = kv[r] + XOR_SHUFFLE(kv[r], off);
         }
         for (int r = 0; r < RH; ++r) {
           const float delta = (vt[r] - kv[r]) * bt;
-          o[r] = 0.0f;
+          float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           for (int i = 0; i < SPL; ++i) {
             s[r][i] = s[r][i] + kn[i] * delta;
-            o[r] = o[r] + s[r][i] * qn[i];
+            p[i % NA] = p[i % NA] + s[r][i] * qn[i];
           }
+          o[r] = PSUM(p);
         }
         for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {
           for (int r = 0; r < RH; ++r) o[r] = o[r] + XOR_SHUFFLE(o[r], off);
         }
         if (hl == 0) {
-          for (int r = 0; r < RH; ++r) y_[half * RH + r] = static_cast<InT>(o[r]);
+          for (int r = 0; r < RH; ++r) y_[grp * RH + r] = static_cast<InT>(o[r]);
         }
         KEEP_STATES
         y_ += Hv * Dv;  // pointers moved on a step, not addresses made again (a step's issue)
@@ -230,7 +234,7 @@ _THREAD_INDICES = {
 
 # The splices. Only the keep-states variant has the ``states`` output [T - 1, B, Hv, Dv, Dk]:
 # the store after each step but the last (which is state_out) is spliced in, so both variants
-# run the same arithmetic. st_ is the half's first row in step t's states.
+# run the same arithmetic. st_ is the group's first row in step t's states.
 _KEEP_INIT = "DEVICE float* st_ = states + ((size_t)n * Dv + dh) * Dk;"
 _KEEP = """if (t + 1 < T) {
           for (int r = 0; r < RH; ++r) {
@@ -351,7 +355,7 @@ _CONV_READ = {
     }
     float vk[RH][CK], vw[RH][CK];  // the lane's rows' conv weights, inputs from step t - TW
     for (int r = 0; r < RH; ++r) {
-      const int c = cv + half * RH + r;
+      const int c = cv + grp * RH + r;
       for (int k = 0; k < CK; ++k) vk[r][k] = static_cast<float>(conv_w[c * CK + k]);
       for (int k = 0; k < TW; ++k) vw[r][k] = static_cast<float>(CONV_IN(c, k - TW));
     }""",
@@ -382,6 +386,7 @@ def _source(metal: bool, keep: bool, raw: bool, conv: bool = False) -> str:
         source = source.replace(name, text)
     for name, text in (_RAW if raw or conv else _PLAIN).items():
         source = source.replace(name, text)
+    source = source.replace("LANES", str(_LANES))
     return spell(source.replace("THREAD_INDICES", _THREAD_INDICES[metal]), metal)
 
 
@@ -442,6 +447,8 @@ def _kernel(keep: bool, raw: bool = False, conv: bool = False):
 # over all 32 lanes, and 7.8 against 8.5 at T = 1 (session 26). At most 4: a chunk's value
 # inputs are loaded one a lane.
 _ROWS = 2
+# Lanes a state row: 32 / LANES rows of a warp side by side (R a multiple of them).
+_LANES = 16
 # A threadgroup: its warps share one chunk's q/k normalisation and gates (with the conv folded
 # in, convolved too), which every threadgroup of the key head makes again: 8 warps make them
 # half as often as 4, and a T = 3 block with states took 11.0 us against 12.8 on the H200
