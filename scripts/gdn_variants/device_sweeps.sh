@@ -5,6 +5,7 @@
 #   STEPS     the real steps (default: head), run ROUNDS times (default 1), alternating
 #   DUMP=1    each sweep's outputs dumped and compared bitwise with HEAD's (sweep head first)
 #   BUDGET    seconds since the start after which no further step run starts (default 430)
+#   SOURCE    the kernel file the variants are made from (make_variants.py's SOURCE)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 S=$OUT/summary.txt
@@ -12,7 +13,7 @@ start=$(date +%s)
 { echo "load before: $(cat /proc/loadavg)"; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv; git log --oneline -1; } > "$S"
 bash .devB/install.sh >> "$S" 2>&1 || exit 3
 python -c "import mlx.core as mx; print(mx.__version__, mx.default_device())" >> "$S" 2>&1
-python scripts/gdn_variants/make_variants.py /tmp/gdv >> "$S" && cp mtpcli/kernels/gated_delta.py /tmp/gdv/gd_head.py
+python scripts/gdn_variants/make_variants.py /tmp/gdv ${SOURCE:-} >> "$S" && cp mtpcli/kernels/gated_delta.py /tmp/gdv/gd_head.py
 NCU="ncu --profile-from-start off --clock-control none --csv --metrics gpu__time_duration.sum"
 for v in ${VARIANTS:-head plain bulk bulkall}; do
   dump=""; [ "${DUMP:-0}" = 1 ] && dump=", '--dump', '/tmp/dump_$v.safetensors'"

@@ -10,6 +10,13 @@ cluster: the conv kernel in sm_90 clusters of a value head's 8 threadgroups, whi
          threadgroups' shared memory) instead of once each; cluster barriers around it
 (taps and ptrs, session 30, are in the product since: its q/k conv's tap pointers, and the y
 and kept-state pointers moved a step at a time; commit a1628b4 has their generator)
+
+    python scripts/gdn_variants/make_variants.py DIR [SOURCE]
+
+The variants splice the text of the kernel before 43c46ab (lanes a row as a parameter, q/k in
+natural order in shared memory; lds4 is in the product since), so all but plain need that
+version as SOURCE: ``git show 43c46ab~1:mtpcli/kernels/gated_delta.py > /tmp/gd_old.py``.
+A variant that does not apply to SOURCE is skipped with a note.
 """
 
 import sys
@@ -292,8 +299,8 @@ def cluster(text: str, size: int = 8) -> str:
     return text.replace("CLUSTER", str(size)).replace("(1, 8, 1)", f"(1, {size}, 1)")
 
 
-def variant(name: str) -> str:
-    text = SRC.read_text()
+def variant(name: str, src: Path = SRC) -> str:
+    text = src.read_text()
     if name.startswith("cluster"):
         return cluster(text, int(name[len("cluster") :] or 8))
     if name == "vact2":
@@ -347,6 +354,7 @@ def variant(name: str) -> str:
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
+    src = Path(sys.argv[2]) if len(sys.argv) > 2 else SRC
     out.mkdir(parents=True, exist_ok=True)
     for name in (
         "plain",
@@ -362,5 +370,10 @@ if __name__ == "__main__":
         "cluster4",
         "cluster2",
     ):
-        (out / f"gd_{name}.py").write_text(variant(name))
+        try:
+            text = variant(name, src)
+        except SystemExit as e:
+            print(f"{name}: skipped, its splice does not apply to {src} ({e})")
+            continue
+        (out / f"gd_{name}.py").write_text(text)
         print(out / f"gd_{name}.py")
