@@ -185,7 +185,9 @@ def test_decode_attention_kernels_compile_without_spills(tmp_path, dtype):
 
 def test_a_source_error_is_caught(tmp_path):
     """The check is real: a source that does not compile fails it."""
-    source = gd._source(False, True, True).replace("kv[r] = 0.0f;", "kv[r] = undefined_name;")
+    source = gd._source(False, True, True)
+    assert "kv[r] = PSUM(p);" in source
+    source = source.replace("kv[r] = PSUM(p);", "kv[r] = undefined_name;")
     code = _wrap(source, "", dict.fromkeys(gd._INPUTS[True], F32), {"y": F32, "state_out": F32,
                  "states": F32}, {"InT": F32, "AT": F32, "DT": F32, "Dk": 128, "Dv": 128,
                  "Hk": 16, "Hv": 48, "R": 4, "WARPS": 4})  # fmt: skip
