@@ -866,6 +866,37 @@ def test_emulated_folded_conv_kernel_keeps_chain_parity():
     assert np.array_equal(inputs, np.concatenate([x["window"], x["qkv"]], axis=1))
 
 
+@pytest.mark.parametrize("metal", [False, True], ids=["cuda", "metal"])
+@pytest.mark.parametrize("lanes, rows", [(8, 4), (4, 8)])
+def test_emulated_folded_conv_kernel_at_fewer_lanes_a_row(monkeypatch, metal, lanes, rows):
+    """8 or 4 lanes a state row (4 or 8 rows side by side in a warp; Dk 128, so a lane sums 16
+    or 32 columns in 2 or 4 partial sums): the reference's outputs, and T = 3 bitwise three
+    one-step launches. Dropping a partial sum is caught."""
+    monkeypatch.setattr(gd, "_LANES", lanes)
+    heads = (2, 128, 4, 8 * rows)  # a threadgroup's WARPS x R value rows fill Dv
+    x = _conv_layer_inputs(3, seed=31, heads=heads)
+    source = gd._source(metal, True, True, conv=True)
+    got = _emulate_conv(x, True, heads=heads, source=source, rows=rows, metal=metal)
+    want = _conv_reference(x, True, heads=heads)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    one = gd._source(metal, False, True, conv=True)
+    s, w, ys, kept = x["state_in"], x["window"], [], []
+    for t in range(3):
+        step = {**x, "qkv": x["qkv"][:, t : t + 1], "a": x["a"][:, t : t + 1],
+                "bb": x["bb"][:, t : t + 1], "window": w, "state_in": s}  # fmt: skip
+        yt, s, _, w = _emulate_conv(step, False, heads=heads, source=one, rows=rows, metal=metal)
+        ys.append(yt)
+        kept.append(s)
+    assert np.array_equal(np.concatenate(ys, 1), got[0]) and np.array_equal(s, got[1])
+    assert np.array_equal(np.stack(kept[:-1]), got[2]) and np.array_equal(w, got[4])
+    last = "(p)[1]) + ((p)[2] + (p)[3])" if lanes == 4 else "NA == 2 ? (p)[0] + (p)[1]"
+    assert last in source
+    broken = source.replace(last, last.replace(" + (p)[3]", "").replace(" + (p)[1]", ""))
+    got = _emulate_conv(x, True, heads=heads, source=broken, rows=rows, metal=metal)
+    assert not np.allclose(got[1], want[1], rtol=1e-4, atol=1e-5)  # the final state
+
+
 @pytest.mark.parametrize(
     "old, new, output",
     [

@@ -124,7 +124,7 @@ _TEMPLATE = """
     // The column of a lane's i-th: a group's lanes' runs side by side, then the next runs.
     #define COL(i) (((i) / VW) * (VW * LH) + VW * hl + (i) % VW)
     // A dot product's NA partial sums p, added in a fixed order.
-    #define PSUM(p) \
+    #define PSUM(p) \\
       (NA == 4 ? ((p)[0] + (p)[1]) + ((p)[2] + (p)[3]) : NA == 2 ? (p)[0] + (p)[1] : (p)[0])
     const int dh = dv + grp * RH;  // the group's first row
     float s[RH][SPL];
