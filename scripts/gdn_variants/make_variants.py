@@ -16,7 +16,10 @@ and kept-state pointers moved a step at a time; commit a1628b4 has their generat
 The variants splice the text of the kernel before 43c46ab (lanes a row as a parameter, q/k in
 natural order in shared memory; lds4 is in the product since), so all but plain need that
 version as SOURCE: ``git show 43c46ab~1:mtpcli/kernels/gated_delta.py > /tmp/gd_old.py``.
-A variant that does not apply to SOURCE is skipped with a note.
+A variant that does not apply to SOURCE is skipped with a note. The ko_* knock-outs
+(KNOCKOUTS) apply to the product: each takes one part out of a step, its outputs wrong by
+design, for timing only: ``VARIANTS="head ko_obfly ko_kvbfly ko_bfly1 ko_vtake ko_ystore
+ko_qk1 ko_steps1" STEPS=" " bash scripts/gdn_variants/device_sweeps.sh``.
 """
 
 import sys
@@ -299,8 +302,35 @@ def cluster(text: str, size: int = 8) -> str:
     return text.replace("CLUSTER", str(size)).replace("(1, 8, 1)", f"(1, {size}, 1)")
 
 
+# Knock-outs (timing only; their outputs are wrong by design): each takes one part out of the
+# product's step, so that the sweep's T = 3 - T = 1 shows what that part costs a step.
+KNOCKOUTS = {
+    "ko_obfly": [("for (int r = 0; r < RH; ++r) o[r] = o[r] + XOR_SHUFFLE(o[r], off);", ";")],
+    "ko_kvbfly": [("for (int r = 0; r < RH; ++r) kv[r] = kv[r] + XOR_SHUFFLE(kv[r], off);", ";")],
+    "ko_bfly1": [("for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {",
+                  "for (LANE_OFFSET off = LH / 2; off >= LH / 2; off >>= 1) {")],
+    "ko_vtake": [("CONV_ACT(vt[r], acc_);", "vt[r] = acc_;")],
+    "ko_ystore": [("for (int r = 0; r < RH; ++r) y_[grp * RH + r] = static_cast<InT>(o[r]);",
+                   "for (int r = 0; r < RH; ++r) if (o[r] == 1234.5f) y_[grp * RH + r] = 0;")],
+    "ko_qk1": [("for (int u = warp; u < 2 * C; u += WARPS) {",
+                "for (int u = warp; u < (t0 == 0 ? 2 : 2 * C); u += WARPS) {")],
+    "ko_steps1": [("for (int j = 0; j < C; ++j) {\n        const int t = t0 + j;",
+                   "for (int j = 0; j < (t0 == 0 ? 1 : C); ++j) {\n        const int t = t0 + j;")],
+}
+
+
+def knockout(name: str, text: str) -> str:
+    for old, new in KNOCKOUTS[name]:
+        if old not in text:
+            raise SystemExit(f"not found: {old[:60]!r}")
+        text = text.replace(old, new)
+    return text
+
+
 def variant(name: str, src: Path = SRC) -> str:
     text = src.read_text()
+    if name in KNOCKOUTS:
+        return knockout(name, text)
     if name.startswith("cluster"):
         return cluster(text, int(name[len("cluster") :] or 8))
     if name == "vact2":
@@ -369,6 +399,7 @@ if __name__ == "__main__":
         "cluster",
         "cluster4",
         "cluster2",
+        *KNOCKOUTS,
     ):
         try:
             text = variant(name, src)
