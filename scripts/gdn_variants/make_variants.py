@@ -307,15 +307,31 @@ def cluster(text: str, size: int = 8) -> str:
 KNOCKOUTS = {
     "ko_obfly": [("for (int r = 0; r < RH; ++r) o[r] = o[r] + XOR_SHUFFLE(o[r], off);", ";")],
     "ko_kvbfly": [("for (int r = 0; r < RH; ++r) kv[r] = kv[r] + XOR_SHUFFLE(kv[r], off);", ";")],
-    "ko_bfly1": [("for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {",
-                  "for (LANE_OFFSET off = LH / 2; off >= LH / 2; off >>= 1) {")],
+    "ko_bfly1": [
+        (
+            "for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {",
+            "for (LANE_OFFSET off = LH / 2; off >= LH / 2; off >>= 1) {",
+        )
+    ],
     "ko_vtake": [("CONV_ACT(vt[r], acc_);", "vt[r] = acc_;")],
-    "ko_ystore": [("for (int r = 0; r < RH; ++r) y_[grp * RH + r] = static_cast<InT>(o[r]);",
-                   "for (int r = 0; r < RH; ++r) if (o[r] == 1234.5f) y_[grp * RH + r] = 0;")],
-    "ko_qk1": [("for (int u = warp; u < 2 * C; u += WARPS) {",
-                "for (int u = warp; u < (t0 == 0 ? 2 : 2 * C); u += WARPS) {")],
-    "ko_steps1": [("for (int j = 0; j < C; ++j) {\n        const int t = t0 + j;",
-                   "for (int j = 0; j < (t0 == 0 ? 1 : C); ++j) {\n        const int t = t0 + j;")],
+    "ko_ystore": [
+        (
+            "for (int r = 0; r < RH; ++r) y_[grp * RH + r] = static_cast<InT>(o[r]);",
+            "for (int r = 0; r < RH; ++r) if (o[r] == 1234.5f) y_[grp * RH + r] = 0;",
+        )
+    ],
+    "ko_qk1": [
+        (
+            "for (int u = warp; u < 2 * C; u += WARPS) {",
+            "for (int u = warp; u < (t0 == 0 ? 2 : 2 * C); u += WARPS) {",
+        )
+    ],
+    "ko_steps1": [
+        (
+            "for (int j = 0; j < C; ++j) {\n        const int t = t0 + j;",
+            "for (int j = 0; j < (t0 == 0 ? 1 : C); ++j) {\n        const int t = t0 + j;",
+        )
+    ],
 }
 
 
