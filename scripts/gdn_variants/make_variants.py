@@ -19,7 +19,9 @@ version as SOURCE: ``git show 43c46ab~1:mtpcli/kernels/gated_delta.py > /tmp/gd_
 A variant that does not apply to SOURCE is skipped with a note. The ko_* knock-outs
 (KNOCKOUTS) apply to the product: each takes one part out of a step, its outputs wrong by
 design, for timing only: ``VARIANTS="head ko_obfly ko_kvbfly ko_bfly1 ko_vtake ko_ystore
-ko_qk1 ko_steps1" STEPS=" " bash scripts/gdn_variants/device_sweeps.sh``.
+ko_qk1 ko_steps1" STEPS=" " bash scripts/gdn_variants/device_sweeps.sh``. f32w (the conv
+weights read as a float32 copy in float4s) is a product candidate: bitwise the product in the
+CPU emulation; its q/k task loop 293 SASS instructions against the product's 318 (sm_90).
 """
 
 import sys
@@ -335,8 +337,42 @@ KNOCKOUTS = {
 }
 
 
+# f32w: the conv weights as a float32 copy (a constant, made once; bf16 -> float32 is exact, so
+# the same bits), a q/k task's NPT x CK of them read as float4s: its 16 2-byte loads and their
+# conversions become 4 16-byte loads (the q/k tasks are about half of what a later step adds).
+F32W_LOAD = """        float wq_[NPT * CK];  // the lane's channels' conv weights, channel-major
+        if ((NPT * CK) % 4 == 0) {
+          DEVICE const float4* w4_ = (DEVICE const float4*)(conv_w + c0 * CK);
+          for (int m = 0; m < NPT * CK / 4; ++m) {
+            const float4 v4_ = w4_[m];
+            wq_[4 * m] = v4_.x, wq_[4 * m + 1] = v4_.y;
+            wq_[4 * m + 2] = v4_.z, wq_[4 * m + 3] = v4_.w;
+          }
+        } else {
+          for (int m = 0; m < NPT * CK; ++m) wq_[m] = conv_w[c0 * CK + m];
+        }
+"""
+QK_SUM = (
+    "        for (int i = 0; i < NPT; ++i) {  // the conv's sum in tap order, then as CONV_ACT\n"
+)
+F32W = [
+    (
+        "acc_ = acc_ + static_cast<float>(conv_w[(c0 + i) * CK + kk_])",
+        "acc_ = acc_ + wq_[i * CK + kk_]",
+    ),
+    (QK_SUM, F32W_LOAD + QK_SUM),
+    (
+        "lambda w: mx.contiguous(w.reshape(NC, K))),",
+        "lambda w: mx.contiguous(w.reshape(NC, K).astype(mx.float32))),",
+    ),
+    ('f"rows {NC}x{K}",', 'f"rows {NC}x{K} float32",'),
+    ('("WT", conv_w.dtype)]', '("WT", mx.float32)]'),
+]
+KNOCKOUTS_AND = {"f32w": F32W}  # not knock-outs: product candidates, spliced the same way
+
+
 def knockout(name: str, text: str) -> str:
-    for old, new in KNOCKOUTS[name]:
+    for old, new in (KNOCKOUTS | KNOCKOUTS_AND)[name]:
         if old not in text:
             raise SystemExit(f"not found: {old[:60]!r}")
         text = text.replace(old, new)
@@ -345,7 +381,7 @@ def knockout(name: str, text: str) -> str:
 
 def variant(name: str, src: Path = SRC) -> str:
     text = src.read_text()
-    if name in KNOCKOUTS:
+    if name in KNOCKOUTS or name in KNOCKOUTS_AND:
         return knockout(name, text)
     if name.startswith("cluster"):
         return cluster(text, int(name[len("cluster") :] or 8))
@@ -416,6 +452,7 @@ if __name__ == "__main__":
         "cluster4",
         "cluster2",
         *KNOCKOUTS,
+        *KNOCKOUTS_AND,
     ):
         try:
             text = variant(name, src)
