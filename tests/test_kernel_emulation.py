@@ -848,21 +848,28 @@ def test_emulated_folded_conv_equals_the_conv_kernel_then_the_raw_kernel():
         assert np.array_equal(g, w)
 
 
+def _chained_conv(x: dict, **kw) -> tuple:
+    """x's T steps as T one-step launches (``_emulate_conv``'s keywords), each from the last
+    one's conv window and state: y, the final state, the states but the last, the window."""
+    s, w, ys, kept = x["state_in"], x["window"], [], []
+    for t in range(x["qkv"].shape[1]):
+        step = {**x, "qkv": x["qkv"][:, t : t + 1], "a": x["a"][:, t : t + 1],
+                "bb": x["bb"][:, t : t + 1], "window": w, "state_in": s}  # fmt: skip
+        yt, s, _, w = _emulate_conv(step, False, **kw)
+        ys.append(yt)
+        kept.append(s)
+    return np.concatenate(ys, 1), s, np.stack(kept[:-1]), w
+
+
 def test_emulated_folded_conv_kernel_keeps_chain_parity():
     """T steps in one launch equal T one-step launches, each from the last one's conv window
     and state: outputs, states, and the window after every step (10 steps: two chunks)."""
     T = 10
     x = _conv_layer_inputs(T, seed=9)
     y, final, states, inputs, window = _emulate_conv(x, keep=True)
-    s, w, ys, kept = x["state_in"], x["window"], [], []
-    for t in range(T):
-        step = {**x, "qkv": x["qkv"][:, t : t + 1], "a": x["a"][:, t : t + 1],
-                "bb": x["bb"][:, t : t + 1], "window": w, "state_in": s}  # fmt: skip
-        yt, s, _, w = _emulate_conv(step, keep=False)
-        ys.append(yt)
-        kept.append(s)
-    assert np.array_equal(np.concatenate(ys, 1), y) and np.array_equal(s, final)
-    assert np.array_equal(np.stack(kept[:-1]), states) and np.array_equal(w, window)
+    cy, cfinal, cstates, cwindow = _chained_conv(x)
+    assert np.array_equal(cy, y) and np.array_equal(cfinal, final)
+    assert np.array_equal(cstates, states) and np.array_equal(cwindow, window)
     assert np.array_equal(inputs, np.concatenate([x["window"], x["qkv"]], axis=1))
 
 
@@ -881,15 +888,10 @@ def test_emulated_folded_conv_kernel_at_fewer_lanes_a_row(monkeypatch, metal, la
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
     one = gd._source(metal, False, True, conv=True)
-    s, w, ys, kept = x["state_in"], x["window"], [], []
-    for t in range(3):
-        step = {**x, "qkv": x["qkv"][:, t : t + 1], "a": x["a"][:, t : t + 1],
-                "bb": x["bb"][:, t : t + 1], "window": w, "state_in": s}  # fmt: skip
-        yt, s, _, w = _emulate_conv(step, False, heads=heads, source=one, rows=rows, metal=metal)
-        ys.append(yt)
-        kept.append(s)
-    assert np.array_equal(np.concatenate(ys, 1), got[0]) and np.array_equal(s, got[1])
-    assert np.array_equal(np.stack(kept[:-1]), got[2]) and np.array_equal(w, got[4])
+    cy, cfinal, cstates, cwindow = _chained_conv(x, heads=heads, source=one, rows=rows,
+                                                 metal=metal)  # fmt: skip
+    assert np.array_equal(cy, got[0]) and np.array_equal(cfinal, got[1])
+    assert np.array_equal(cstates, got[2]) and np.array_equal(cwindow, got[4])
     last = "(p)[1]) + ((p)[2] + (p)[3])" if lanes == 4 else "NA == 2 ? (p)[0] + (p)[1]"
     assert last in source
     broken = source.replace(last, last.replace(" + (p)[3]", "").replace(" + (p)[1]", ""))

@@ -444,10 +444,11 @@ def _kernel(keep: bool, raw: bool = False, conv: bool = False):
 # Value rows per warp (R/2 a half-warp): with the q/k and gates made once per threadgroup, 2
 # rows a warp (then of 32 lanes each) beat 4 and 1 at every T on the H200 (session 11); a row
 # a half-warp (2 a warp) took 10.2 us for a T = 3 block with states against 10.5 with a row
-# over all 32 lanes, and 7.8 against 8.5 at T = 1 (session 26). At most 4: a chunk's value
-# inputs are loaded one a lane.
+# over all 32 lanes, and 7.8 against 8.5 at T = 1 (session 26). A chunk's value inputs are
+# loaded one a lane, so above 4 rows the chunks are shorter (32 / R steps).
 _ROWS = 2
-# Lanes a state row: 32 / LANES rows of a warp side by side (R a multiple of them).
+# Lanes a state row: 32 / LANES rows of a warp side by side (R a multiple of them). 8 and 4
+# (4 and 8 rows a warp) were slower in the real step on the H200 at both T (session 31).
 _LANES = 16
 # A threadgroup: its warps share one chunk's q/k normalisation and gates (with the conv folded
 # in, convolved too), which every threadgroup of the key head makes again: 8 warps make them

@@ -368,11 +368,12 @@ F32W = [
     ('f"rows {NC}x{K}",', 'f"rows {NC}x{K} float32",'),
     ('("WT", conv_w.dtype)]', '("WT", mx.float32)]'),
 ]
-KNOCKOUTS_AND = {"f32w": F32W}  # not knock-outs: product candidates, spliced the same way
+# Every variant made by plain (old, new) splices: the knock-outs and product candidates.
+SPLICED = KNOCKOUTS | {"f32w": F32W}
 
 
-def knockout(name: str, text: str) -> str:
-    for old, new in (KNOCKOUTS | KNOCKOUTS_AND)[name]:
+def spliced(name: str, text: str) -> str:
+    for old, new in SPLICED[name]:
         if old not in text:
             raise SystemExit(f"not found: {old[:60]!r}")
         text = text.replace(old, new)
@@ -381,8 +382,8 @@ def knockout(name: str, text: str) -> str:
 
 def variant(name: str, src: Path = SRC) -> str:
     text = src.read_text()
-    if name in KNOCKOUTS or name in KNOCKOUTS_AND:
-        return knockout(name, text)
+    if name in SPLICED:
+        return spliced(name, text)
     if name.startswith("cluster"):
         return cluster(text, int(name[len("cluster") :] or 8))
     if name == "vact2":
@@ -451,8 +452,7 @@ if __name__ == "__main__":
         "cluster",
         "cluster4",
         "cluster2",
-        *KNOCKOUTS,
-        *KNOCKOUTS_AND,
+        *SPLICED,
     ):
         try:
             text = variant(name, src)
