@@ -1,5 +1,6 @@
 """The gated-delta kernel (the conv folded in, the product's variant) at several threadgroup
-geometries: W warps of R value rows, launch bound MB blocks a multiprocessor, L lanes a row.
+geometries: W warps of R value rows, launch bound MB blocks a multiprocessor, L lanes a row,
+H value heads (of one key head) a threadgroup.
 
     ncu --profile-from-start off --clock-control none --csv --metrics gpu__time_duration.sum \\
         -k regex:mtp_gated_delta python scripts/bench_gdn_geometry.py > DIR/sweep.csv
@@ -53,14 +54,15 @@ from bench_qmm import kernel_durations_us, profiled  # noqa: E402 - a sibling sc
 
 HK, HV, DK, DV, K = 16, 48, 128, 128, 4
 NC = 2 * HK * DK + HV * DV
-# (W, R, MB, L): R a multiple of 32 / L
-GEOMETRIES = [(8, 2, 3, 16), (8, 4, 2, 8), (4, 4, 3, 8), (8, 8, 2, 4), (4, 8, 2, 4)]
+# (W, R, MB, L, H): R a multiple of 32 / L, W of H (H divides 48 / 16)
+GEOMETRIES = [(8, 2, 3, 16, 1), (12, 2, 2, 16, 3), (24, 2, 1, 16, 3), (6, 2, 4, 16, 3)]
 CASES = [(1, False), (2, True), (3, True), (3, False), (4, True), (8, True)]
 REPEATS = 5
 
 
-def _set(warps: int, rows: int | None, min_blocks: int, lanes: int | None = None) -> None:
-    gd._WARPS, gd.CONV_MIN_BLOCKS = warps, min_blocks
+def _set(warps: int, rows: int | None, min_blocks: int, lanes: int | None = None,
+         heads: int = 1) -> None:  # fmt: skip
+    gd._WARPS, gd.CONV_MIN_BLOCKS, gd._HEADS = warps, min_blocks, heads
     if rows is not None:
         gd._ROWS = rows
     if lanes is not None:
@@ -156,7 +158,7 @@ def sweep(dump: Path | None = None) -> None:
 
             out = launch()
             mx.eval(out)
-            key = (geometry[3:], T, keep)  # L, where given
+            key = (geometry[3:4], T, keep)  # L, where given: H and the rest change no bit
             if key in first:
                 bitwise[f"{geometry} T{T} keep {keep}"] = all(
                     bool(mx.array_equal(a, b).item())
@@ -168,7 +170,7 @@ def sweep(dump: Path | None = None) -> None:
             order.append([list(geometry), T, keep])
         checks[str(geometry)] = chain_check(gd.gated_delta_conv_native)
     if dump is not None:
-        lanes = GEOMETRIES[0][3:]  # the first geometry's outputs
+        lanes = GEOMETRIES[0][3:4]  # the first geometry's outputs
         saved = {f"T{T} keep {keep} {i}": x for (L, T, keep), out in first.items()
                  if L == lanes for i, x in enumerate(out) if x is not None}  # fmt: skip
         mx.save_safetensors(str(dump), saved)
@@ -236,7 +238,7 @@ def summary(text: str) -> dict:
         table.setdefault(str(tuple(geometry)), {})[case] = [statistics.median(xs), min(xs), max(xs)]
     cases = list(dict.fromkeys(c for row in table.values() for c in row))  # launch order
     ratios = [c for c in ("T3 states", "T3") if c in cases and "T1" in cases]
-    print("| W, R, MB, L | " + " | ".join(cases + [f"{c} / T1" for c in ratios]) + " |")
+    print("| W, R, MB, L, H | " + " | ".join(cases + [f"{c} / T1" for c in ratios]) + " |")
     print("|---" * (len(cases) + len(ratios) + 1) + "|")
     for geometry, row in table.items():
         cells = [f"{row[c][0]:.2f}" if c in row else "" for c in cases]
@@ -283,7 +285,7 @@ def main() -> None:
         default=None,
         help="FILE FILE ...: whether --dump outputs are bitwise the first file's",
     )
-    ap.add_argument("--geometry", type=int, nargs=4, default=None, metavar=("W", "R", "MB", "L"),
+    ap.add_argument("--geometry", type=int, nargs="+", default=None, metavar="W R MB L [H]",
                     help="one geometry: the sweep's only one, or the steps' kernel")  # fmt: skip
     ap.add_argument("--with", dest="with_", nargs=argparse.REMAINDER, default=None,
                     help="W MB SCRIPT ARGS: run SCRIPT with that geometry")  # fmt: skip
@@ -295,6 +297,8 @@ def main() -> None:
         raise SystemExit(f"--dump {args.dump}: name it *.safetensors (MLX would append it)")
     if args.module:
         use_module(args.module)
+    if args.geometry and len(args.geometry) not in (4, 5):
+        raise SystemExit(f"--geometry {args.geometry}: give W R MB L, and H if not 1")
     if args.geometry:
         GEOMETRIES[:] = [tuple(args.geometry)]
         _set(*args.geometry)

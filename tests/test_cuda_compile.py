@@ -72,8 +72,7 @@ def test_gated_delta_kernel_compiles_without_spills(tmp_path, keep, raw, dtype):
     types = dict.fromkeys(names, dtype) | {"state_in": F32}
     types |= {"A_log": F32, "dt_bias": BF16} if raw else {"g": F32, "beta": F32}
     outputs = {"y": dtype, "state_out": F32} | ({"states": F32} if keep else {})
-    constants = {"InT": dtype, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48, "R": gd._ROWS,
-                 "WARPS": gd._WARPS}  # fmt: skip
+    constants = {"InT": dtype, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48, **gd._layout(16, 48)}
     constants |= {"AT": F32, "DT": BF16} if raw else {}
     report = _compile(tmp_path, _wrap(gd._source(False, keep, raw), "", types, outputs, constants))
     assert _no_spills(report), report
@@ -85,8 +84,8 @@ def test_gated_delta_kernel_with_the_conv_folded_in_compiles_without_spills(tmp_
     types = dict.fromkeys(gd._CONV_INPUTS, dtype) | {"state_in": F32, "A_log": F32}
     outputs = {"y": dtype, "state_out": F32} | ({"states": F32} if keep else {})
     outputs |= {"inputs": dtype, "window_out": dtype}
-    constants = {"InT": dtype, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48, "R": gd._ROWS,
-                 "WARPS": gd._WARPS, "AT": F32, "DT": dtype, "WT": dtype, "CK": 4}  # fmt: skip
+    constants = {"InT": dtype, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48, **gd._layout(16, 48),
+                 "AT": F32, "DT": dtype, "WT": dtype, "CK": 4}  # fmt: skip
     spec = gd._spec(False, keep, True, conv=True)
     report = _compile(tmp_path, _wrap(spec["source"], spec["header"], types, outputs, constants))
     assert _no_spills(report), report
@@ -190,7 +189,7 @@ def test_a_source_error_is_caught(tmp_path):
     source = source.replace("kv[r] = PSUM(p);", "kv[r] = undefined_name;")
     code = _wrap(source, "", dict.fromkeys(gd._INPUTS[True], F32), {"y": F32, "state_out": F32,
                  "states": F32}, {"InT": F32, "AT": F32, "DT": F32, "Dk": 128, "Dv": 128,
-                 "Hk": 16, "Hv": 48, "R": 4, "WARPS": 4})  # fmt: skip
+                 "Hk": 16, "Hv": 48, "R": 4, "WARPS": 4, "HPT": 1})  # fmt: skip
     with pytest.raises(AssertionError, match="undefined_name"):
         _compile(tmp_path, code)
 
@@ -201,7 +200,7 @@ def test_a_kernel_that_spills_is_caught(tmp_path):
     types = dict.fromkeys(gd._CONV_INPUTS, BF16) | {"state_in": F32, "A_log": F32}
     outputs = {"y": BF16, "state_out": F32, "states": F32, "inputs": BF16, "window_out": BF16}
     constants = {"InT": BF16, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48, "R": 2, "WARPS": 8,
-                 "AT": F32, "DT": BF16, "WT": BF16, "CK": 4}  # fmt: skip
+                 "HPT": 1, "AT": F32, "DT": BF16, "WT": BF16, "CK": 4}  # fmt: skip
     source = gd._source(False, True, True, conv=True)
     report = _compile(tmp_path, _wrap(source, launch_bounds(8, 8), types, outputs, constants))
     assert not _no_spills(report)

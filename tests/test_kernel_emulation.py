@@ -64,8 +64,8 @@ def _emulate(x: dict, keep: bool, rows: int | None = None, source: str | None = 
         source or gd._source(False, keep, raw),
         x,
         outputs,
-        {"Dk": DK, "Dv": dv, "Hk": HK, "Hv": HV, "R": rows, "WARPS": gd._WARPS},
-        *gd._geometry(1, HV, dv, rows),
+        {"Dk": DK, "Dv": dv, "Hk": HK, "Hv": HV, **gd._layout(HK, HV, rows)},
+        *gd._geometry(1, HV, dv, rows, gd._hpt(HK, HV)),
         header=gd._spec(True, keep, raw)["header"] if metal else "",  # what the Metal build gets
     )
     return list(out.values())
@@ -784,8 +784,8 @@ def _emulate_conv(x: dict, keep: bool, heads=(HK, DK, HV, DV), source: str | Non
         source or gd._source(False, keep, True, conv=True),
         x,
         outputs,
-        {"Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "R": rows, "WARPS": gd._WARPS, "CK": K},
-        *gd._geometry(1, hv, dv, rows),
+        {"Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, **gd._layout(hk, hv, rows), "CK": K},
+        *gd._geometry(1, hv, dv, rows, gd._hpt(hk, hv)),
         header=gd._spec(True, keep, True, conv=True)["header"] if metal else "",
     )
     return list(out.values())

@@ -108,6 +108,8 @@ _TEMPLATE = """
     constexpr int RH = R / NG;  // a lane's state rows: its group's
     static_assert(R % NG == 0, "a warp's groups hold as many rows");
     constexpr int CH = R > 4 ? 32 / R : 8;
+    constexpr int WH = WARPS / HPT;  // a head's warps (a threadgroup holds HPT of a key head's)
+    static_assert(WARPS % HPT == 0 && (Hv / Hk) % HPT == 0, "whole heads of one key head");
     static_assert(CH <= 32, "a chunk's gates are made by the lanes of one warp");
     const int B = TIMED_shape[0];
     const int T = TIMED_shape[1];
@@ -145,7 +147,7 @@ _TEMPLATE = """
       for (int i = 0; i < SPL; ++i) s[r][i] = s_in[COL(i) * state_in_strides[3]];
     }
     ALIGN16 SHARED float qk_sh[CH][2][Dk];  // a chunk's normalised q (0) and k (1)
-    SHARED float gb_sh[CH][2];  // a chunk's decay (0) and beta (1)
+    SHARED float gb_sh[HPT][CH][2];  // a chunk's decay (0) and beta (1), each head's
     CONV_COPY
     static_assert(CH * R <= 32, "a chunk's value inputs are loaded by the lanes of one warp");
     KEEP_INIT
@@ -164,12 +166,12 @@ _TEMPLATE = """
         QK
         for (int i = 0; i < NPT; ++i) qk_sh[j][isq ? 0 : 1][lane * NPT + i] = x[i];
       }
-      if (warp == WARPS - 1 && lane < C) {
+      if (warp % WH == WH - 1 && lane < C) {
         const float gx = static_cast<float>(g_[(t0 + lane) * gs]);
         const float bx = static_cast<float>(b_[(t0 + lane) * bs]);
         GATES
-        gb_sh[lane][0] = gt;
-        gb_sh[lane][1] = bt;
+        gb_sh[hg][lane][0] = gt;
+        gb_sh[hg][lane][1] = bt;
       }
       BARRIER;
       for (int j = 0; j < C; ++j) {
@@ -181,7 +183,7 @@ _TEMPLATE = """
         }
         for (int r = 0; r < RH; ++r) xv[r] = LANE_SHUFFLE(xin, LANE_OFFSET(j * R + grp * RH + r));
         V_TAKE
-        const float gt = gb_sh[j][0], bt = gb_sh[j][1];
+        const float gt = gb_sh[hg][j][0], bt = gb_sh[hg][j][1];
         float kv[RH], o[RH];
         for (int r = 0; r < RH; ++r) {
           float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -224,12 +226,14 @@ _TEMPLATE = """
 _THREAD_INDICES = {
     False: """const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const int dv = (blockIdx.y * WARPS + warp) * R;
-    const int n = blockIdx.z;""",
+    const int hg = warp / WH;  // the warp's head of the threadgroup's
+    const int dv = (blockIdx.y * WH + warp % WH) * R;
+    const int n = blockIdx.z * HPT + hg;""",
     True: """const int lane = thread_index_in_simdgroup;
     const int warp = simdgroup_index_in_threadgroup;
-    const int dv = (threadgroup_position_in_grid.y * WARPS + warp) * R;
-    const int n = threadgroup_position_in_grid.z;""",
+    const int hg = warp / WH;  // the warp's head of the threadgroup's
+    const int dv = (threadgroup_position_in_grid.y * WH + warp % WH) * R;
+    const int n = threadgroup_position_in_grid.z * HPT + hg;""",
 }
 
 # The splices. Only the keep-states variant has the ``states`` output [T - 1, B, Hv, Dv, Dk]:
@@ -344,9 +348,9 @@ _CONV_READ = {
         inputs[((size_t)b * (TW + T) + (j)) * NC + (c)] = in_; \\
         if ((j) >= T) window_out[((size_t)b * TW + (j) - T) * NC + (c)] = in_; }
       for (int u = lane; u < R * (TW + T); u += 32) CONV_KEEP(cv + u / (TW + T), u % (TW + T));
-      const int per = Dv / (R * WARPS);  // threadgroups a value head spans
-      const int g = (hv % (Hv / Hk)) * per + dv / (R * WARPS);
-      const int step = (Hv / Hk) * per * 32 * WARPS;
+      const int per = Dv / (R * WH);  // threadgroups a value head's rows span
+      const int g = (hv % (Hv / Hk)) / HPT * per + dv / (R * WH);  // of its key head's
+      const int step = (Hv / Hk / HPT) * per * 32 * WARPS;
       for (int u = g * 32 * WARPS + warp * 32 + lane; u < 2 * Dk * (TW + T); u += step) {
         const int cc = u % (2 * Dk);
         const int c = (cc < Dk ? hk * Dk : (Hk - 1) * Dk + hk * Dk) + cc;
@@ -455,11 +459,27 @@ _LANES = 16
 # half as often as 4, and a T = 3 block with states took 11.0 us against 12.8 on the H200
 # (T = 1 8.7 against 8.5; session 25).
 _WARPS = 8
+# Value heads a threadgroup: HEADS heads of one key head share its q/k normalisation (and
+# conv), made once for them, their rows WARPS / HEADS warps each. 1 where it does not divide
+# a key head's value heads.
+_HEADS = 1
 
 
-def _geometry(B: int, Hv: int, Dv: int, R: int) -> tuple[tuple, tuple]:
-    """The launch's grid and threadgroup (in threads): WARPS warps of R rows a threadgroup."""
-    return (32 * _WARPS, Dv // (R * _WARPS), B * Hv), (32 * _WARPS, 1, 1)
+def _hpt(Hk: int, Hv: int) -> int:
+    """Value heads a threadgroup (HPT) for Hk key and Hv value heads."""
+    return _HEADS if Hv % Hk == 0 and (Hv // Hk) % _HEADS == 0 else 1
+
+
+def _layout(Hk: int, Hv: int, R: int | None = None) -> dict:
+    """The template constants that place rows: R rows a warp, WARPS warps and HPT heads a
+    threadgroup."""
+    return {"R": R or _ROWS, "WARPS": _WARPS, "HPT": _hpt(Hk, Hv)}
+
+
+def _geometry(B: int, Hv: int, Dv: int, R: int, heads: int = 1) -> tuple[tuple, tuple]:
+    """The launch's grid and threadgroup (in threads): WARPS warps a threadgroup, of R rows
+    each, WARPS / heads warps a head."""
+    return (32 * _WARPS, Dv * heads // (R * _WARPS), B * Hv // heads), (32 * _WARPS, 1, 1)
 
 
 def _launch(kernel, inputs: list, dims: tuple, dtype, keep_states: bool, extra_types=(),
@@ -467,8 +487,8 @@ def _launch(kernel, inputs: list, dims: tuple, dtype, keep_states: bool, extra_t
     """One launch for dims (B, T, Hk, Dk, Hv, Dv): y, the final state, the per-step states
     where kept, and with ``conv_width`` the conv's window and inputs and new window."""
     B, T, Hk, Dk, Hv, Dv = dims
-    R = _ROWS
-    grid, threadgroup = _geometry(B, Hv, Dv, R)
+    layout = _layout(Hk, Hv)
+    grid, threadgroup = _geometry(B, Hv, Dv, layout["R"], layout["HPT"])
     shapes = [(B, T, Hv, Dv), (B, Hv, Dv, Dk)] + ([(T - 1, B, Hv, Dv, Dk)] if keep_states else [])
     dtypes = [dtype] + [mx.float32] * (len(shapes) - 1)
     if conv_width:
@@ -484,8 +504,7 @@ def _launch(kernel, inputs: list, dims: tuple, dtype, keep_states: bool, extra_t
             ("Dv", Dv),
             ("Hk", Hk),
             ("Hv", Hv),
-            ("R", R),
-            ("WARPS", _WARPS),
+            *layout.items(),
             *extra_types,
         ],  # fmt: skip
         grid=grid,
@@ -695,7 +714,9 @@ def _self_check_conv(dtype, heads: tuple, K: int, w_dtype, gate_dtypes) -> str |
 
 
 def _native_dims(Hk: int, Dk: int, Hv: int, Dv: int) -> bool:
-    return backend() != "cpu" and Dk % 32 == 0 and Hv % Hk == 0 and Dv % (_WARPS * _ROWS) == 0
+    rows = _WARPS // _hpt(Hk, Hv) * _ROWS  # a threadgroup's of one head
+    return (backend() != "cpu" and Dk % 32 == 0 and Hv % Hk == 0
+            and _WARPS % _hpt(Hk, Hv) == 0 and Dv % rows == 0)  # fmt: skip
 
 
 def _native_shape(k, v) -> bool:

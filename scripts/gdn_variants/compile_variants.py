@@ -24,6 +24,7 @@ for path in sys.argv[1:]:
             "Hv": 48,
             "R": v._ROWS,
             "WARPS": v._WARPS,
+            "HPT": 1,
             "AT": tc.F32,
             "DT": dtype,
             "WT": dtype,

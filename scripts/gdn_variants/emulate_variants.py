@@ -42,11 +42,10 @@ for path in sys.argv[1:]:
                     "Dv": dv,
                     "Hk": hk,
                     "Hv": hv,
-                    "R": head._ROWS,
-                    "WARPS": head._WARPS,
+                    **head._layout(hk, hv),
                     "CK": K,
                 },
-                *head._geometry(1, hv, dv, head._ROWS),
+                *head._geometry(1, hv, dv, head._ROWS, head._hpt(hk, hv)),
                 header=hdr,
             ).values()
         )
