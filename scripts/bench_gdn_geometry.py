@@ -31,7 +31,8 @@ after each) per T after a warm-up; under ``-k regex:gated_delta`` the summary is
 step's 48 launches, median (min-max) of the REPEATS steps, and each T's ratio to T = 1.
 ``--module FILE`` runs another version of ``mtpcli/kernels/gated_delta.py`` (an earlier
 commit's, an experiment) in its place, for either; ``--geometry W R MB L`` one geometry for
-either (the sweep's only one, the steps' kernel). Needs CUDA.
+either (the sweep's only one, the steps' kernel at every T; without it, the steps run the
+product's: narrow below ``_WIDE_FROM`` steps, wide from there). Needs CUDA.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ REPEATS = 5
 
 def _set(warps: int, rows: int | None, min_blocks: int, lanes: int | None = None,
          heads: int = 1) -> None:  # fmt: skip
-    gd._WARPS, gd.CONV_MIN_BLOCKS, gd._HEADS = warps, min_blocks, heads
+    """One geometry at every T (the product's goes wide for longer blocks: none here)."""
+    gd._WARPS, gd.CONV_MIN_BLOCKS, gd._HEADS, gd._WIDE = warps, min_blocks, heads, None
     if rows is not None:
         gd._ROWS = rows
     if lanes is not None:

@@ -72,25 +72,30 @@ def test_gated_delta_kernel_compiles_without_spills(tmp_path, keep, raw, dtype):
     types = dict.fromkeys(names, dtype) | {"state_in": F32}
     types |= {"A_log": F32, "dt_bias": BF16} if raw else {"g": F32, "beta": F32}
     outputs = {"y": dtype, "state_out": F32} | ({"states": F32} if keep else {})
-    constants = {"InT": dtype, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48, **gd._layout(16, 48)}
+    constants = {"InT": dtype, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48, **gd._layout(16, 48, 128)}
     constants |= {"AT": F32, "DT": BF16} if raw else {}
     report = _compile(tmp_path, _wrap(gd._source(False, keep, raw), "", types, outputs, constants))
     assert _no_spills(report), report
 
 
+@pytest.mark.parametrize("T", [1, 3], ids=["narrow", "wide"])
 @pytest.mark.parametrize("keep", [False, True], ids=["", "keep"])
 @pytest.mark.parametrize("dtype", [BF16, HALF])
-def test_gated_delta_kernel_with_the_conv_folded_in_compiles_without_spills(tmp_path, keep, dtype):
+def test_gated_delta_kernel_with_the_conv_folded_in_compiles_without_spills(tmp_path, keep, dtype,
+                                                                            T):  # fmt: skip
+    """At the 27B shape, as a one-step launch and as a block's (wide: 24 warps of 3 heads)."""
     types = dict.fromkeys(gd._CONV_INPUTS, dtype) | {"state_in": F32, "A_log": F32}
     outputs = {"y": dtype, "state_out": F32} | ({"states": F32} if keep else {})
     outputs |= {"inputs": dtype, "window_out": dtype}
-    constants = {"InT": dtype, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48, **gd._layout(16, 48),
-                 "AT": F32, "DT": dtype, "WT": dtype, "CK": 4}  # fmt: skip
-    spec = gd._spec(False, keep, True, conv=True)
+    constants = {"InT": dtype, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48,
+                 **gd._layout(16, 48, 128, T), "AT": F32, "DT": dtype, "WT": dtype,
+                 "CK": 4}  # fmt: skip
+    warps, _, blocks = gd._placement(16, 48, 128, T)
+    spec = gd._spec(False, keep, True, conv=True, bounds=(warps, blocks))
     report = _compile(tmp_path, _wrap(spec["source"], spec["header"], types, outputs, constants))
     assert _no_spills(report), report
     regs = int(re.search(r"Used (\d+) registers", report).group(1))
-    assert regs * 32 * gd._WARPS * gd.CONV_MIN_BLOCKS <= 65536  # its launch bounds hold
+    assert regs * 32 * warps * blocks <= 65536  # its launch bounds hold
 
 
 def test_convolution_kernel_compiles_without_spills(tmp_path):

@@ -56,7 +56,7 @@ def _emulate(x: dict, keep: bool, rows: int | None = None, source: str | None = 
     """The kernel on x, ``rows`` value rows per warp (by default as the launch picks them);
     ``source`` a variant of the CUDA kernel, or of the Metal one."""
     T, raw, dv = x["q"].shape[1], "a" in x, x["v"].shape[-1]
-    rows = rows or gd._ROWS
+    layout = gd._layout(HK, HV, dv, T, rows, conv=False)
     outputs = {"y": (1, T, HV, dv), "state_out": (1, HV, dv, DK)}
     if keep:
         outputs["states"] = (T - 1, 1, HV, dv, DK)
@@ -64,8 +64,8 @@ def _emulate(x: dict, keep: bool, rows: int | None = None, source: str | None = 
         source or gd._source(False, keep, raw),
         x,
         outputs,
-        {"Dk": DK, "Dv": dv, "Hk": HK, "Hv": HV, **gd._layout(HK, HV, rows)},
-        *gd._geometry(1, HV, dv, rows, gd._hpt(HK, HV)),
+        {"Dk": DK, "Dv": dv, "Hk": HK, "Hv": HV, **layout},
+        *gd._geometry(1, HV, dv, layout),
         header=gd._spec(True, keep, raw)["header"] if metal else "",  # what the Metal build gets
     )
     return list(out.values())
@@ -775,8 +775,8 @@ def _emulate_conv(x: dict, keep: bool, heads=(HK, DK, HV, DV), source: str | Non
     (``rows`` value rows a warp, by default as the launch picks them; ``source`` a variant
     of the CUDA kernel, or of the Metal one)."""
     hk, dk, hv, dv = heads
-    rows = rows or gd._ROWS
     T, K, nc = x["qkv"].shape[1], x["conv_w"].shape[1], x["qkv"].shape[2]
+    layout = gd._layout(hk, hv, dv, T, rows)
     outputs = {"y": (1, T, hv, dv), "state_out": (1, hv, dv, dk)}
     outputs |= {"states": (T - 1, 1, hv, dv, dk)} if keep else {}
     outputs |= {"inputs": (1, K - 1 + T, nc), "window_out": (1, K - 1, nc)}
@@ -784,8 +784,8 @@ def _emulate_conv(x: dict, keep: bool, heads=(HK, DK, HV, DV), source: str | Non
         source or gd._source(False, keep, True, conv=True),
         x,
         outputs,
-        {"Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, **gd._layout(hk, hv, rows), "CK": K},
-        *gd._geometry(1, hv, dv, rows, gd._hpt(hk, hv)),
+        {"Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, **layout, "CK": K},
+        *gd._geometry(1, hv, dv, layout),
         header=gd._spec(True, keep, True, conv=True)["header"] if metal else "",
     )
     return list(out.values())
@@ -917,3 +917,49 @@ def test_emulation_catches_a_broken_folded_conv(old, new, output):
     assert old in source
     got = _emulate_conv(x, keep=True, source=source.replace(old, new))[output]
     assert not np.allclose(got, _conv_reference(x, keep=True)[output], rtol=1e-4, atol=1e-5)
+
+
+WIDE_HEADS = (2, 32, 6, 16)  # 3 value heads a key head, as the 27B's: a block goes wide
+
+
+@pytest.mark.parametrize("metal", [False, True], ids=["cuda", "metal"])
+@pytest.mark.parametrize("T", [3, 11])
+def test_emulated_wide_block_is_bitwise_narrow_and_chained(monkeypatch, metal, T):
+    """A block goes wide (24 warps, 3 heads of a key head a threadgroup): bitwise the narrow
+    launch of the same block, and the one-step launches (narrow) chained; the reference's
+    outputs."""
+    assert gd._layout(*WIDE_HEADS[::2], WIDE_HEADS[3], T) == {"R": 2, "WARPS": 24, "HPT": 3}
+    assert gd._layout(*WIDE_HEADS[::2], WIDE_HEADS[3], 1)["HPT"] == 1
+    x = _conv_layer_inputs(T, seed=40 + T, heads=WIDE_HEADS)
+    kw = {"heads": WIDE_HEADS, "metal": metal}
+    wide = _emulate_conv(x, True, source=gd._source(metal, True, True, conv=True), **kw)
+    for g, w in zip(wide, _conv_reference(x, True, heads=WIDE_HEADS), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    cy, cfinal, cstates, cwindow = _chained_conv(
+        x, source=gd._source(metal, False, True, conv=True), **kw
+    )
+    assert np.array_equal(cy, wide[0]) and np.array_equal(cfinal, wide[1])
+    assert np.array_equal(cstates, wide[2]) and np.array_equal(cwindow, wide[4])
+    monkeypatch.setattr(gd, "_WIDE", None)
+    narrow = _emulate_conv(x, True, source=gd._source(metal, True, True, conv=True), **kw)
+    assert all(np.array_equal(a, b) for a, b in zip(wide, narrow, strict=True))
+
+
+@pytest.mark.parametrize(
+    "old, new, output",
+    [
+        ("gb_sh[hg][j][0]", "gb_sh[0][j][0]", 1),  # every head decays as the first
+        ("(Hv / Hk / HPT) * per", "(Hv / Hk) * per", 3),  # q/k inputs kept by too few
+        ("blockIdx.z * HPT + hg;", "blockIdx.z * HPT;", 0),  # a threadgroup's heads as one
+    ],
+    ids=["gates", "qk_inputs", "heads"],
+)
+def test_emulation_catches_a_broken_wide_block(old, new, output):
+    """11 steps: a key head's q/k inputs (2 x 32 channels x 14 slots) outnumber a wide
+    threadgroup's 768 threads, so its copy loop turns."""
+    x = _conv_layer_inputs(11, seed=44, heads=WIDE_HEADS)
+    source = gd._source(False, True, True, conv=True)
+    assert old in source
+    got = _emulate_conv(x, True, heads=WIDE_HEADS, source=source.replace(old, new))[output]
+    want = _conv_reference(x, True, heads=WIDE_HEADS)[output]
+    assert not np.allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -118,12 +118,12 @@ def test_agreeing_native_kernel_is_used(monkeypatch):
     calls = []
 
     def native(*a, **kw):
-        calls.append(1)
+        calls.append(a[0].shape[1])  # T
         return gd.gated_delta_ops(*a, **kw)
 
     monkeypatch.setattr(gd, "gated_delta_native", native)
     gd.gated_delta(*_inputs())
-    assert len(calls) == 2  # the self-check, then the real call
+    assert calls == [1, 3, 5]  # the self-check, narrow and wide, then the real call
     kernels.reset_verdicts()
 
 
@@ -299,13 +299,13 @@ def test_the_conv_reference_is_the_conv_then_the_raw_reference():
 def test_a_wrong_folded_kernel_is_refused_and_the_two_launches_run(monkeypatch, pretend_gpu):
     kernels.reset_verdicts()
 
-    def wrong(*args, keep_states=False):
+    def wrong(*args, keep_states=False):  # right at T = 1, wrong in a block (the wide kernel)
         y, *rest = gd.gated_delta_conv_ops(*args, keep_states=keep_states)
-        return (y * 1.5, *rest)
+        return (y * 1.5 if y.shape[1] > 1 else y, *rest)
 
     pretend_gpu(gd, "gated_delta_conv_native", wrong)
     args = _conv_args()
-    with pytest.warns(RuntimeWarning, match="gated_delta_conv kernel disagrees"):
+    with pytest.warns(RuntimeWarning, match="gated_delta_conv kernel disagrees.*T = 3: y"):
         got = gd.gated_delta_conv(*args, keep_states=True)
     # the conv's and the recurrence's own best paths (on a GPU, their native kernels)
     want = gd._conv_then_delta(gd.conv_silu, gd.gated_delta_raw, *args, True)
@@ -319,15 +319,15 @@ def test_an_agreeing_folded_kernel_is_used_unless_switched_off(monkeypatch, pret
     calls = []
 
     def native(*args, **kw):
-        calls.append(1)
+        calls.append(args[0].shape[1])  # T
         return gd.gated_delta_conv_ops(*args, **kw)
 
     pretend_gpu(gd, "gated_delta_conv_native", native)
-    gd.gated_delta_conv(*_conv_args())
-    assert len(calls) == 2  # the self-check, then the real call
+    gd.gated_delta_conv(*_conv_args(T=4))
+    assert calls == [1, 3, 4]  # the self-check, narrow and wide, then the real call
     monkeypatch.setattr(gd, "FUSE_CONV", False)
     gd.gated_delta_conv(*_conv_args())
-    assert len(calls) == 2  # the two launches' paths instead
+    assert calls == [1, 3, 4]  # the two launches' paths instead
     kernels.reset_verdicts()
 
 
@@ -360,6 +360,20 @@ def test_cuda_folded_conv_kernel_keeps_chain_parity(T):
     assert _bitwise(new_window, w) and _bitwise(inputs, mx.concatenate([window, qkv], axis=1))
     if T > 1:
         assert _bitwise(states, mx.stack(kept[:-1]))
+
+
+@cuda
+@pytest.mark.parametrize("T", [3, 8])
+def test_cuda_wide_block_is_bitwise_the_narrow_one(monkeypatch, T):
+    """At the 27B heads a block goes wide (24 warps of 3 heads a threadgroup); every output
+    is bitwise the narrow launch's (one head a threadgroup of 8 warps)."""
+    args = _conv_args(T=T, heads=(16, 128, 48, 128), seed=50 + T)
+    assert gd._layout(16, 48, 128, T)["HPT"] == 3
+    wide = gd.gated_delta_conv_native(*args, keep_states=True)
+    monkeypatch.setattr(gd, "_WIDE", None)
+    assert gd._layout(16, 48, 128, T)["HPT"] == 1
+    narrow = gd.gated_delta_conv_native(*args, keep_states=True)
+    assert all(_bitwise(x, y) for x, y in zip(wide, narrow, strict=True))
 
 
 def _sigmoid_denominators() -> np.ndarray:

@@ -11,6 +11,7 @@ one-step calls bitwise, and MTP equals classic on a backend as long as both use 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
@@ -406,10 +407,14 @@ inline void store4(device float4* p, float4 v) { *p = v; }
 CONV_MIN_BLOCKS = 3
 
 
-def _spec(metal: bool, keep: bool, raw: bool, conv: bool = False) -> dict:
-    """The arguments both backends' kernel factories take, for one variant."""
+def _spec(metal: bool, keep: bool, raw: bool, conv: bool = False,
+          bounds: tuple[int, int] | None = None) -> dict:  # fmt: skip
+    """The arguments both backends' kernel factories take, for one variant; ``bounds`` (warps,
+    threadgroups a multiprocessor) the conv variant's launch bounds, by default WARPS and
+    CONV_MIN_BLOCKS."""
     source = _source(metal, keep, raw, conv)
-    header = _METAL_HEADER if metal else launch_bounds(_WARPS, CONV_MIN_BLOCKS) if conv else ""
+    warps, blocks = bounds or (_WARPS, CONV_MIN_BLOCKS)
+    header = _METAL_HEADER if metal else launch_bounds(warps, blocks) if conv else ""
     kind = "_conv" if conv else "_raw" if raw else ""
     return {
         "name": kernel_name(f"mtp_gated_delta{kind}{'_keep' if keep else ''}", source, header),
@@ -428,10 +433,10 @@ def _spec(metal: bool, keep: bool, raw: bool, conv: bool = False) -> dict:
     }
 
 
-def _build_cuda(keep: bool, raw: bool, conv: bool):
+def _build_cuda(keep: bool, raw: bool, conv: bool, bounds: tuple[int, int] | None):
     if not available("cuda"):
         return None
-    return mx.fast.cuda_kernel(**_spec(False, keep, raw, conv))
+    return mx.fast.cuda_kernel(**_spec(False, keep, raw, conv, bounds))
 
 
 def _build_metal(keep: bool, raw: bool, conv: bool):
@@ -440,8 +445,9 @@ def _build_metal(keep: bool, raw: bool, conv: bool):
     return mx.fast.metal_kernel(**_spec(True, keep, raw, conv))
 
 
-def _kernel(keep: bool, raw: bool = False, conv: bool = False):
-    return built(_kernels, (keep, raw, conv), lambda: _build_cuda(keep, raw, conv),
+def _kernel(keep: bool, raw: bool = False, conv: bool = False,
+            bounds: tuple[int, int] | None = None):  # fmt: skip
+    return built(_kernels, (keep, raw, conv, bounds), lambda: _build_cuda(keep, raw, conv, bounds),
                  lambda: _build_metal(keep, raw, conv))  # fmt: skip
 
 
@@ -463,32 +469,58 @@ _WARPS = 8
 # conv), made once for them, their rows WARPS / HEADS warps each. 1 where it does not divide
 # a key head's value heads.
 _HEADS = 1
+# The conv variant's blocks of WIDE_FROM steps or more go wide where the shape allows:
+# (warps, heads, launch bound) 24 warps holding 3 heads, one threadgroup a multiprocessor, so
+# a key head's q/k are made a third as often. On the H200 a 27B layer's real T = 3 step took
+# 0.424 ms against 0.437 (T = 8 in one layer 13.7 us against 15.9), while T = 1 took 0.342
+# against 0.333 and T = 2 8.00 us against 7.58 (session 32). A row's arithmetic is the same
+# either way, bit for bit.
+_WIDE: tuple[int, int, int] | None = (24, 3, 1)
+_WIDE_FROM = 3
 
 
 def _hpt(Hk: int, Hv: int) -> int:
-    """Value heads a threadgroup (HPT) for Hk key and Hv value heads."""
+    """Value heads a threadgroup (HPT) for Hk key and Hv value heads, narrow."""
     return _HEADS if Hv % Hk == 0 and (Hv // Hk) % _HEADS == 0 else 1
 
 
-def _layout(Hk: int, Hv: int, R: int | None = None) -> dict:
-    """The template constants that place rows: R rows a warp, WARPS warps and HPT heads a
-    threadgroup."""
-    return {"R": R or _ROWS, "WARPS": _WARPS, "HPT": _hpt(Hk, Hv)}
+def _placement(Hk: int, Hv: int, Dv: int, T: int = 1, conv: bool = True) -> tuple[int, int, int]:
+    """(warps, heads, launch bound) of a T-step launch: wide where it fits, else narrow (the
+    variants without the conv have no launch bounds: always narrow)."""
+    if conv and _WIDE is not None and T >= _WIDE_FROM:
+        warps, heads, _ = _WIDE
+        if Hv % Hk == 0 and (Hv // Hk) % heads == 0 and Dv % (warps // heads * _ROWS) == 0:
+            return _WIDE
+    return _WARPS, _hpt(Hk, Hv), CONV_MIN_BLOCKS
 
 
-def _geometry(B: int, Hv: int, Dv: int, R: int, heads: int = 1) -> tuple[tuple, tuple]:
+def _layout(Hk: int, Hv: int, Dv: int, T: int = 1, R: int | None = None,
+            conv: bool = True) -> dict:  # fmt: skip
+    """The template constants that place a T-step launch's rows: R rows a warp, WARPS warps
+    and HPT heads a threadgroup."""
+    warps, heads, _ = _placement(Hk, Hv, Dv, T, conv)
+    return {"R": R or _ROWS, "WARPS": warps, "HPT": heads}
+
+
+def _geometry(B: int, Hv: int, Dv: int, layout: dict) -> tuple[tuple, tuple]:
     """The launch's grid and threadgroup (in threads): WARPS warps a threadgroup, of R rows
-    each, WARPS / heads warps a head."""
-    return (32 * _WARPS, Dv * heads // (R * _WARPS), B * Hv // heads), (32 * _WARPS, 1, 1)
+    each, WARPS / HPT warps a head."""
+    R, warps, heads = layout["R"], layout["WARPS"], layout["HPT"]
+    return (32 * warps, Dv * heads // (R * warps), B * Hv // heads), (32 * warps, 1, 1)
 
 
-def _launch(kernel, inputs: list, dims: tuple, dtype, keep_states: bool, extra_types=(),
-            conv_width: int = 0) -> list[mx.array]:  # fmt: skip
-    """One launch for dims (B, T, Hk, Dk, Hv, Dv): y, the final state, the per-step states
-    where kept, and with ``conv_width`` the conv's window and inputs and new window."""
+def _launch(variant: tuple, inputs: list, dims: tuple, dtype, keep_states: bool, extra_types=(),
+            conv_width: int = 0) -> list[mx.array] | None:  # fmt: skip
+    """One launch of ``variant`` (raw, conv) for dims (B, T, Hk, Dk, Hv, Dv): y, the final
+    state, the per-step states where kept, and with ``conv_width`` the conv's window and inputs
+    and new window; None where there is no kernel."""
     B, T, Hk, Dk, Hv, Dv = dims
-    layout = _layout(Hk, Hv)
-    grid, threadgroup = _geometry(B, Hv, Dv, layout["R"], layout["HPT"])
+    warps, _, blocks = _placement(Hk, Hv, Dv, T, variant[1])
+    kernel = _kernel(keep_states, *variant, bounds=(warps, blocks))
+    if kernel is None:
+        return None
+    layout = _layout(Hk, Hv, Dv, T, conv=variant[1])
+    grid, threadgroup = _geometry(B, Hv, Dv, layout)
     shapes = [(B, T, Hv, Dv), (B, Hv, Dv, Dk)] + ([(T - 1, B, Hv, Dv, Dk)] if keep_states else [])
     dtypes = [dtype] + [mx.float32] * (len(shapes) - 1)
     if conv_width:
@@ -535,12 +567,9 @@ def _with_states(out: list, keep_states: bool):
 
 def gated_delta_native(q, k, v, g, beta, state, *, keep_states: bool = False):
     """The native kernel (same contract as ``gated_delta_ops``); None where there is none."""
-    kernel = _kernel(_keeps(q, keep_states))
-    if kernel is None:
-        return None
     inputs = [q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state.astype(mx.float32)]
-    out = _launch(kernel, inputs, _dims(q, v), q.dtype, _keeps(q, keep_states))
-    return _with_states(out, keep_states)
+    out = _launch((False, False), inputs, _dims(q, v), q.dtype, _keeps(q, keep_states))
+    return None if out is None else _with_states(out, keep_states)
 
 
 def gated_delta_raw_ops(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bool = False):
@@ -557,14 +586,11 @@ def gated_delta_raw_ops(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bo
 
 def gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state, *, keep_states=False):
     """The native kernel with the gating folded in; None where there is none."""
-    kernel = _kernel(_keeps(q, keep_states), raw=True)
-    if kernel is None:
-        return None
     inputs = [q, k, v, a.astype(q.dtype), b.astype(q.dtype), constant(A_log), constant(dt_bias),
               state.astype(mx.float32)]  # fmt: skip
     types = [("AT", A_log.dtype), ("DT", dt_bias.dtype)]  # in the name: they type the signature
-    out = _launch(kernel, inputs, _dims(q, v), q.dtype, _keeps(q, keep_states), types)
-    return _with_states(out, keep_states)
+    out = _launch((True, False), inputs, _dims(q, v), q.dtype, _keeps(q, keep_states), types)
+    return None if out is None else _with_states(out, keep_states)
 
 
 def _heads(conv_out: mx.array, heads: tuple) -> tuple[mx.array, mx.array, mx.array]:
@@ -604,9 +630,6 @@ def gated_delta_conv_native(qkv, window, conv_w, a, b, A_log, dt_bias, state, he
     ``gated_delta_conv_ops``); None where there is none."""
     B, T, NC = qkv.shape
     keep = _keeps(qkv, keep_states)
-    kernel = _kernel(keep, raw=True, conv=True)
-    if kernel is None:
-        return None
     K = conv_w.shape[1]
     inputs = [qkv, window, constant(conv_w, f"rows {NC}x{K}",
                                     lambda w: mx.contiguous(w.reshape(NC, K))),
@@ -614,8 +637,8 @@ def gated_delta_conv_native(qkv, window, conv_w, a, b, A_log, dt_bias, state, he
               state.astype(mx.float32)]  # fmt: skip
     # in the name: they type the signature
     types = [("AT", A_log.dtype), ("DT", dt_bias.dtype), ("WT", conv_w.dtype)]
-    out = _launch(kernel, inputs, (B, T, *heads), qkv.dtype, keep, types, conv_width=K)
-    return (*_with_states(out, keep_states), out[-2], out[-1])
+    out = _launch((True, True), inputs, (B, T, *heads), qkv.dtype, keep, types, conv_width=K)
+    return None if out is None else (*_with_states(out, keep_states), out[-2], out[-1])
 
 
 def _random_inputs(dtype, hk: int, hv: int, dk: int, dv: int, T: int = 3):
@@ -652,8 +675,16 @@ def _compare(got, want, dtype) -> str | None:
     return None
 
 
-def _self_check(dtype, hk: int, hv: int, dk: int, dv: int) -> str | None:
-    q, k, v, g, beta, state = _random_inputs(dtype, hk, hv, dk, dv)
+def _at_each_placement(check: Callable[[int], str | None]) -> str | None:
+    """``check(T)`` at T = 1 and at a block that goes wide: each kernel a path compiles."""
+    for T in sorted({1, max(3, _WIDE_FROM)}):
+        if (problem := check(T)) is not None:
+            return f"T = {T}: {problem}"
+    return None
+
+
+def _self_check(dtype, hk: int, hv: int, dk: int, dv: int, T: int = 3) -> str | None:
+    q, k, v, g, beta, state = _random_inputs(dtype, hk, hv, dk, dv, T)
     try:
         got = gated_delta_native(q, k, v, g, beta, state, keep_states=True)
         want = gated_delta_ops(q, k, v, g, beta, state, keep_states=True)
@@ -672,8 +703,9 @@ def _raw_gates(g, beta, dtype, hv: int, gate_dtypes) -> tuple:
     return a, b, A_log, dt_bias
 
 
-def _self_check_raw(dtype, hk: int, hv: int, dk: int, dv: int, gate_dtypes) -> str | None:
-    q, k, v, g, beta, state = _random_inputs(dtype, hk, hv, dk, dv)
+def _self_check_raw(dtype, hk: int, hv: int, dk: int, dv: int, gate_dtypes,
+                    T: int = 3) -> str | None:  # fmt: skip
+    q, k, v, g, beta, state = _random_inputs(dtype, hk, hv, dk, dv, T)
     q, k = q * 3.0, k * 3.0  # not normalised: the kernel must normalise them
     a, b, A_log, dt_bias = _raw_gates(g, beta, dtype, hv, gate_dtypes)
     try:
@@ -699,10 +731,11 @@ def _conv_inputs(dtype, heads: tuple, K: int, w_dtype, T: int = 3) -> tuple:
     return whole[..., 32 : 32 + NC], inputs[:, 2:], conv_w
 
 
-def _self_check_conv(dtype, heads: tuple, K: int, w_dtype, gate_dtypes) -> str | None:
+def _self_check_conv(dtype, heads: tuple, K: int, w_dtype, gate_dtypes,
+                     T: int = 3) -> str | None:  # fmt: skip
     Hk, Dk, Hv, Dv = heads
-    qkv, window, conv_w = _conv_inputs(dtype, heads, K, w_dtype)
-    *_, g, beta, state = _random_inputs(dtype, Hk, Hv, Dk, Dv)
+    qkv, window, conv_w = _conv_inputs(dtype, heads, K, w_dtype, T)
+    *_, g, beta, state = _random_inputs(dtype, Hk, Hv, Dk, Dv, T)
     args = (qkv, window, conv_w, *_raw_gates(g, beta, dtype, Hv, gate_dtypes), state, heads)
     try:
         got = gated_delta_conv_native(*args, keep_states=True)
@@ -714,7 +747,7 @@ def _self_check_conv(dtype, heads: tuple, K: int, w_dtype, gate_dtypes) -> str |
 
 
 def _native_dims(Hk: int, Dk: int, Hv: int, Dv: int) -> bool:
-    rows = _WARPS // _hpt(Hk, Hv) * _ROWS  # a threadgroup's of one head
+    rows = _WARPS // _hpt(Hk, Hv) * _ROWS  # a threadgroup's of one head, narrow
     return (backend() != "cpu" and Dk % 32 == 0 and Hv % Hk == 0
             and _WARPS % _hpt(Hk, Hv) == 0 and Dv % rows == 0)  # fmt: skip
 
@@ -729,7 +762,7 @@ def gated_delta(q, k, v, g, beta, state, *, keep_states: bool = False):
     if _native_shape(k, v) and use_native(
         "gated_delta",
         (backend(), str(q.dtype), Hk, Hv, Dk, Dv),
-        lambda: _self_check(q.dtype, Hk, Hv, Dk, Dv),
+        lambda: _at_each_placement(lambda T: _self_check(q.dtype, Hk, Hv, Dk, Dv, T)),
     ):
         out = gated_delta_native(q, k, v, g, beta, state, keep_states=keep_states)
         if out is not None:
@@ -744,7 +777,9 @@ def gated_delta_raw(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bool =
     if _native_shape(k, v) and use_native(
         "gated_delta_raw",
         (backend(), str(q.dtype), Hk, Hv, Dk, Dv, *map(str, gate_dtypes)),
-        lambda: _self_check_raw(q.dtype, Hk, Hv, Dk, Dv, gate_dtypes),
+        lambda: _at_each_placement(
+            lambda T: _self_check_raw(q.dtype, Hk, Hv, Dk, Dv, gate_dtypes, T)
+        ),
     ):
         out = gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state,
                                      keep_states=keep_states)  # fmt: skip
@@ -773,7 +808,9 @@ def gated_delta_conv(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, *,
         and use_native(
             "gated_delta_conv",
             (backend(), *map(str, dtypes), *heads, K),
-            lambda: _self_check_conv(qkv.dtype, heads, K, conv_w.dtype, dtypes[2:]),
+            lambda: _at_each_placement(
+                lambda T: _self_check_conv(qkv.dtype, heads, K, conv_w.dtype, dtypes[2:], T)
+            ),
         )
     ):
         out = gated_delta_conv_native(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads,

@@ -42,10 +42,10 @@ for path in sys.argv[1:]:
                     "Dv": dv,
                     "Hk": hk,
                     "Hv": hv,
-                    **head._layout(hk, hv),
+                    **head._layout(hk, hv, dv, T),
                     "CK": K,
                 },
-                *head._geometry(1, hv, dv, head._ROWS, head._hpt(hk, hv)),
+                *head._geometry(1, hv, dv, head._layout(hk, hv, dv, T)),
                 header=hdr,
             ).values()
         )
