@@ -82,8 +82,9 @@ def _no_states(state: mx.array) -> mx.array:
 
 
 # T and B are read from k's shape at run time, so one compiled variant serves every block and
-# prompt length. A threadgroup is WARPS warps (CUDA) / SIMD-groups (Metal) of one head, each
-# warp R value rows. A row is held by a group of LH = LANES lanes (32 / LH groups a warp, R
+# prompt length. A threadgroup is WARPS warps (CUDA) / SIMD-groups (Metal) of HPT value heads
+# of one key head (WARPS / HPT warps a head; HPT is 1 but in a wide block), each warp R value
+# rows. A row is held by a group of LH = LANES lanes (32 / LH groups a warp, R
 # a multiple of them, RH rows a group), lane l of a group holding Dk/LH columns of each of its
 # group's rows in runs of 4 (4l..4l+3, then 4 LH further on; COL). A dot product is summed
 # along a lane's columns in at most 4 partial sums of at most 8 terms (a shorter dependent
