@@ -485,13 +485,18 @@ def _hpt(Hk: int, Hv: int) -> int:
     return _HEADS if Hv % Hk == 0 and (Hv // Hk) % _HEADS == 0 else 1
 
 
+def _fits(Hk: int, Hv: int, Dv: int, warps: int, heads: int) -> bool:
+    """Whether threadgroups of ``warps`` warps holding ``heads`` value heads of one key head
+    (R rows a warp) tile Hv heads of Dv rows."""
+    return (Hv % Hk == 0 and (Hv // Hk) % heads == 0 and warps % heads == 0
+            and Dv % (warps // heads * _ROWS) == 0)  # fmt: skip
+
+
 def _placement(Hk: int, Hv: int, Dv: int, T: int = 1, conv: bool = True) -> tuple[int, int, int]:
     """(warps, heads, launch bound) of a T-step launch: wide where it fits, else narrow (the
     variants without the conv have no launch bounds: always narrow)."""
-    if conv and _WIDE is not None and T >= _WIDE_FROM:
-        warps, heads, _ = _WIDE
-        if Hv % Hk == 0 and (Hv // Hk) % heads == 0 and Dv % (warps // heads * _ROWS) == 0:
-            return _WIDE
+    if conv and _WIDE is not None and T >= _WIDE_FROM and _fits(Hk, Hv, Dv, *_WIDE[:2]):
+        return _WIDE
     return _WARPS, _hpt(Hk, Hv), CONV_MIN_BLOCKS
 
 
@@ -748,9 +753,7 @@ def _self_check_conv(dtype, heads: tuple, K: int, w_dtype, gate_dtypes,
 
 
 def _native_dims(Hk: int, Dk: int, Hv: int, Dv: int) -> bool:
-    rows = _WARPS // _hpt(Hk, Hv) * _ROWS  # a threadgroup's of one head, narrow
-    return (backend() != "cpu" and Dk % 32 == 0 and Hv % Hk == 0
-            and _WARPS % _hpt(Hk, Hv) == 0 and Dv % rows == 0)  # fmt: skip
+    return backend() != "cpu" and Dk % 32 == 0 and _fits(Hk, Hv, Dv, _WARPS, _hpt(Hk, Hv))
 
 
 def _native_shape(k, v) -> bool:
