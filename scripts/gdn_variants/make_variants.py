@@ -368,8 +368,70 @@ F32W = [
     ('f"rows {NC}x{K}",', 'f"rows {NC}x{K} float32",'),
     ('("WT", conv_w.dtype)]', '("WT", mx.float32)]'),
 ]
+# onebfly: y = S'q = g (S q) + delta (k . q), where S' = g S + k delta, so a step's two dot
+# products of a row with the state (with k, then with q) are both taken of the old state and
+# summed by one butterfly with k . q, instead of a second butterfly after the update: a step's
+# chain of dependent shuffles half as long. A different rounding (not bitwise HEAD), the same
+# arithmetic at every T (chain parity holds).
+ONEBFLY_OLD = """        float kv[RH], o[RH];
+        for (int r = 0; r < RH; ++r) {
+          float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          for (int i = 0; i < SPL; ++i) {
+            s[r][i] = s[r][i] * gt;
+            p[i % NA] = p[i % NA] + s[r][i] * kn[i];
+          }
+          kv[r] = PSUM(p);
+        }
+        for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {
+          for (int r = 0; r < RH; ++r) kv[r] = kv[r] + XOR_SHUFFLE(kv[r], off);
+        }
+        for (int r = 0; r < RH; ++r) {
+          const float delta = (vt[r] - kv[r]) * bt;
+          float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          for (int i = 0; i < SPL; ++i) {
+            s[r][i] = s[r][i] + kn[i] * delta;
+            p[i % NA] = p[i % NA] + s[r][i] * qn[i];
+          }
+          o[r] = PSUM(p);
+        }
+        for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {
+          for (int r = 0; r < RH; ++r) o[r] = o[r] + XOR_SHUFFLE(o[r], off);
+        }
+"""
+ONEBFLY_NEW = """        float kv[RH], o[RH], kq;
+        {
+          float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          for (int i = 0; i < SPL; ++i) p[i % NA] = p[i % NA] + kn[i] * qn[i];
+          kq = PSUM(p);
+        }
+        for (int r = 0; r < RH; ++r) {
+          float p[4] = {0.0f, 0.0f, 0.0f, 0.0f}, pq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          for (int i = 0; i < SPL; ++i) {
+            p[i % NA] = p[i % NA] + s[r][i] * kn[i];
+            pq[i % NA] = pq[i % NA] + s[r][i] * qn[i];
+          }
+          kv[r] = PSUM(p);
+          o[r] = PSUM(pq);
+        }
+        for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {
+          kq = kq + XOR_SHUFFLE(kq, off);
+          for (int r = 0; r < RH; ++r) {
+            kv[r] = kv[r] + XOR_SHUFFLE(kv[r], off);
+            o[r] = o[r] + XOR_SHUFFLE(o[r], off);
+          }
+        }
+        for (int r = 0; r < RH; ++r) {
+          const float delta = (vt[r] - gt * kv[r]) * bt;
+          for (int i = 0; i < SPL; ++i) {
+            s[r][i] = s[r][i] * gt;
+            s[r][i] = s[r][i] + kn[i] * delta;
+          }
+          o[r] = gt * o[r] + delta * kq;
+        }
+"""
 # Every variant made by plain (old, new) splices: the knock-outs and product candidates.
-SPLICED = KNOCKOUTS | {"f32w": F32W}
+SPLICED = KNOCKOUTS | {"f32w": F32W, "onebfly": [(ONEBFLY_OLD, ONEBFLY_NEW)],
+                       "f32w_onebfly": [*F32W, (ONEBFLY_OLD, ONEBFLY_NEW)]}
 
 
 def spliced(name: str, text: str) -> str:
