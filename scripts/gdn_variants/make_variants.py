@@ -430,8 +430,11 @@ ONEBFLY_NEW = """        float kv[RH], o[RH], kq;
         }
 """
 # Every variant made by plain (old, new) splices: the knock-outs and product candidates.
-SPLICED = KNOCKOUTS | {"f32w": F32W, "onebfly": [(ONEBFLY_OLD, ONEBFLY_NEW)],
-                       "f32w_onebfly": [*F32W, (ONEBFLY_OLD, ONEBFLY_NEW)]}
+SPLICED = KNOCKOUTS | {
+    "f32w": F32W,
+    "onebfly": [(ONEBFLY_OLD, ONEBFLY_NEW)],
+    "f32w_onebfly": [*F32W, (ONEBFLY_OLD, ONEBFLY_NEW)],
+}
 
 
 def spliced(name: str, text: str) -> str:
