@@ -84,11 +84,11 @@ def test_gated_delta_kernel_compiles_without_spills(tmp_path, keep, raw, dtype):
 def test_gated_delta_kernel_with_the_conv_folded_in_compiles_without_spills(tmp_path, keep, dtype,
                                                                             T):  # fmt: skip
     """At the 27B shape, as a one-step launch and as a block's (wide: 24 warps of 3 heads)."""
-    types = dict.fromkeys(gd._CONV_INPUTS, dtype) | {"state_in": F32, "A_log": F32}
+    types = dict.fromkeys(gd._CONV_INPUTS, dtype) | {"state_in": F32, "A_log": F32, "conv_w": F32}
     outputs = {"y": dtype, "state_out": F32} | ({"states": F32} if keep else {})
     outputs |= {"inputs": dtype, "window_out": dtype}
     constants = {"InT": dtype, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48,
-                 **gd._layout(16, 48, 128, T), "AT": F32, "DT": dtype, "WT": dtype,
+                 **gd._layout(16, 48, 128, T), "AT": F32, "DT": dtype, "WT": F32,
                  "CK": 4}  # fmt: skip
     warps, _, blocks = gd._placement(16, 48, 128, T)
     spec = gd._spec(False, keep, True, conv=True, bounds=(warps, blocks))
@@ -202,10 +202,10 @@ def test_a_source_error_is_caught(tmp_path):
 def test_a_kernel_that_spills_is_caught(tmp_path):
     """The spill check is real: bounded to 8 threadgroups of 8 warps a multiprocessor (32
     registers a thread), the conv variant, which needs 72-78, spills."""
-    types = dict.fromkeys(gd._CONV_INPUTS, BF16) | {"state_in": F32, "A_log": F32}
+    types = dict.fromkeys(gd._CONV_INPUTS, BF16) | {"state_in": F32, "A_log": F32, "conv_w": F32}
     outputs = {"y": BF16, "state_out": F32, "states": F32, "inputs": BF16, "window_out": BF16}
     constants = {"InT": BF16, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48, "R": 2, "WARPS": 8,
-                 "HPT": 1, "AT": F32, "DT": BF16, "WT": BF16, "CK": 4}  # fmt: skip
+                 "HPT": 1, "AT": F32, "DT": BF16, "WT": F32, "CK": 4}  # fmt: skip
     source = gd._source(False, True, True, conv=True)
     report = _compile(tmp_path, _wrap(source, launch_bounds(8, 8), types, outputs, constants))
     assert not _no_spills(report)

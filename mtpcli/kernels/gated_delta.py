@@ -334,11 +334,23 @@ _CONV_READ = {
           tap_[kk_] = s_ < 0 ? w_ + (s_ + TW) * ws + c0 * wc : x_ + s_ * xs + c0 * xc;
           tc_[kk_] = s_ < 0 ? wc : xc;
         }
+        // The lane's channels' conv weights, channel-major: a float32 copy (exact), read as
+        // 16-byte runs (16 2-byte loads and their conversions were a tenth of a task).
+        float wq_[NPT * CK];
+        if ((NPT * CK) % 4 == 0) {
+          DEVICE const float4* w4_ = (DEVICE const float4*)(conv_w + c0 * CK);
+          for (int m = 0; m < NPT * CK / 4; ++m) {
+            const float4 v4_ = w4_[m];
+            wq_[4 * m] = v4_.x, wq_[4 * m + 1] = v4_.y;
+            wq_[4 * m + 2] = v4_.z, wq_[4 * m + 3] = v4_.w;
+          }
+        } else {
+          for (int m = 0; m < NPT * CK; ++m) wq_[m] = conv_w[c0 * CK + m];
+        }
         for (int i = 0; i < NPT; ++i) {  // the conv's sum in tap order, then as CONV_ACT
           float acc_ = 0.0f;
           for (int kk_ = 0; kk_ < CK; ++kk_)
-            acc_ = acc_ + static_cast<float>(conv_w[(c0 + i) * CK + kk_])
-                * static_cast<float>(tap_[kk_][i * tc_[kk_]]);
+            acc_ = acc_ + wq_[i * CK + kk_] * static_cast<float>(tap_[kk_][i * tc_[kk_]]);
           CONV_ACT(x[i], acc_);
         }""",
     # The conv's other outputs, one (channel, slot) a thread: the warps' value rows, then
@@ -637,12 +649,13 @@ def gated_delta_conv_native(qkv, window, conv_w, a, b, A_log, dt_bias, state, he
     B, T, NC = qkv.shape
     keep = _keeps(qkv, keep_states)
     K = conv_w.shape[1]
-    inputs = [qkv, window, constant(conv_w, f"rows {NC}x{K}",
-                                    lambda w: mx.contiguous(w.reshape(NC, K))),
+    # The weights as float32 (bf16 and f16 convert exactly), so a q/k task reads them as float4s.
+    w32 = constant(conv_w, f"rows {NC}x{K} float32", lambda w: w.reshape(NC, K).astype(mx.float32))
+    inputs = [qkv, window, w32,
               a.astype(qkv.dtype), b.astype(qkv.dtype), constant(A_log), constant(dt_bias),
               state.astype(mx.float32)]  # fmt: skip
     # in the name: they type the signature
-    types = [("AT", A_log.dtype), ("DT", dt_bias.dtype), ("WT", conv_w.dtype)]
+    types = [("AT", A_log.dtype), ("DT", dt_bias.dtype), ("WT", mx.float32)]
     out = _launch((True, True), inputs, (B, T, *heads), qkv.dtype, keep, types, conv_width=K)
     return None if out is None else (*_with_states(out, keep_states), out[-2], out[-1])
 

@@ -13,7 +13,11 @@ for path in sys.argv[1:]:
     spec.loader.exec_module(v)
     for keep in (False, True):
         dtype = tc.BF16
-        types = dict.fromkeys(v._CONV_INPUTS, dtype) | {"state_in": tc.F32, "A_log": tc.F32}
+        types = dict.fromkeys(v._CONV_INPUTS, dtype) | {
+            "state_in": tc.F32,
+            "A_log": tc.F32,
+            "conv_w": tc.F32,
+        }
         outputs = {"y": dtype, "state_out": tc.F32} | ({"states": tc.F32} if keep else {})
         outputs |= {"inputs": dtype, "window_out": dtype}
         constants = {
@@ -27,7 +31,7 @@ for path in sys.argv[1:]:
             "HPT": 1,
             "AT": tc.F32,
             "DT": dtype,
-            "WT": dtype,
+            "WT": tc.F32,
             "CK": 4,
         }
         s = v._spec(False, keep, True, conv=True)
