@@ -18,8 +18,23 @@ def _bench(capsys, *args) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_bench_json_on_the_example(capsys, tmp_path):
+def test_bench_json_on_the_example(capsys, tmp_path, monkeypatch):
+    """One run of the example (its report's figures, the gate's prediction beside the
+    measurement, its held-out prompts): every bench run pays a warm-up and a calibration."""
+    import mtpcli.example as example
+    from mtpcli import gate
+    from mtpcli.bench import _fit_acceptance
+    from mtpcli.gate import tokens_per_round
+
+    calls, held_out = [], example.example_prompts
+
+    def recording():
+        calls.append(1)
+        return held_out()
+
+    monkeypatch.setattr(example, "example_prompts", recording)
     doc = _bench(capsys, "--block-size", "2", "--block-size", "3", "--out", str(tmp_path))
+    assert calls and doc["settings"]["prompts"] == 3  # the example's held-out prompts
     assert doc["classic_tps"] > 0 and set(doc["mtp_tps"]) == {"2", "3"}
     assert set(doc["speedup"]) == {"2", "3"} and 0 <= doc["acceptance_rate"]["3"] <= 1
     assert sorted(int(t) for t in doc["verify_cost"]) == list(range(1, 9))
@@ -33,6 +48,12 @@ def test_bench_json_on_the_example(capsys, tmp_path):
     md = next(tmp_path.glob("bench-*.md")).read_text()
     assert "mtp block 3" in md and "median (min-max)" in md and "of which building" in md
     assert json.loads(next(tmp_path.glob("bench-*.json")).read_text())["settings"]["repeats"] == 1
+    assert abs(tokens_per_round(_fit_acceptance(2.2, 2), 2) - 2.2) < 1e-9
+    for block in ("2", "3"):
+        g = doc["gate"][block]
+        assert g["predicted_speedup"] > 0 and g["measured_speedup"] == doc["speedup"][block]
+        assert g["gate_engages"] == (g["predicted_speedup"] >= gate.MARGIN)
+    assert "predicted" in md
 
 
 def test_simulated_acceptance_controls_acceptance(ckpts, capsys):
@@ -55,12 +76,6 @@ def test_peers_run_on_the_same_weights(capsys):
     vlm = doc["arms"]["mlx_vlm-2"]
     assert vlm["tps"]["median"] > 0 and vlm["same_tokens_as_classic"] is True
     assert doc["settings"]["peer_notes"] == []
-
-
-def test_the_mlx_vlm_peer_is_not_run_on_synthetic_models(capsys):
-    doc = _bench(capsys, "--synthetic", "tiny", "--block-size", "2", "--peers", "--no-verify-table")
-    assert "mlx_lm" in doc["arms"] and not any(k.startswith("mlx_vlm") for k in doc["arms"])
-    assert "mlx-vlm: not run" in doc["settings"]["peer_notes"][0]
 
 
 def test_a_synthetic_pair_written_to_disk_is_the_model_that_synthetic_builds(tmp_path):
@@ -128,22 +143,9 @@ def test_synthetic_moe_shape(capsys):
     big = synthetic.SHAPES["qwen3.5-35b-a3b"]  # built on the GPU machine only (~35B weights)
     assert big["num_experts"] == 256 and big["num_experts_per_tok"] == 8
     doc = _bench(capsys, "--synthetic", "tiny-moe", "--bits", "4", "--block-size", "3",
-                 "--no-verify-table")  # fmt: skip
+                 "--no-verify-table", "-n", "6")  # fmt: skip
     assert "synthetic tiny-moe 4-bit" in doc["settings"]["model"]
     assert doc["arms"]["mtp-3"]["same_tokens_as_classic"] is True
-
-
-def test_bench_reports_the_gate_prediction_beside_the_measurement(capsys, tmp_path):
-    from mtpcli import gate
-    from mtpcli.bench import _fit_acceptance
-    from mtpcli.gate import tokens_per_round
-
-    assert abs(tokens_per_round(_fit_acceptance(2.2, 2), 2) - 2.2) < 1e-9
-    doc = _bench(capsys, "--block-size", "3", "--no-verify-table", "--out", str(tmp_path))
-    g = doc["gate"]["3"]
-    assert g["predicted_speedup"] > 0 and g["measured_speedup"] == doc["speedup"]["3"]
-    assert g["gate_engages"] == (g["predicted_speedup"] >= gate.MARGIN)
-    assert "predicted" in next(tmp_path.glob("bench-*.md")).read_text()
 
 
 def test_prompt_files_take_json_strings_for_multiline_prompts(tmp_path):
@@ -158,24 +160,10 @@ def test_prompt_files_take_json_strings_for_multiline_prompts(tmp_path):
         read_prompts(path)
 
 
-def test_the_example_is_benched_on_its_held_out_prompts(capsys, monkeypatch):
-    import mtpcli.example as example
-
-    calls = []
-    held_out = example.example_prompts
-
-    def recording():
-        calls.append(1)
-        return held_out()
-
-    monkeypatch.setattr(example, "example_prompts", recording)
-    doc = _bench(capsys, "-n", "2", "--block-size", "2", "--no-verify-table")
-    assert calls and doc["settings"]["prompts"] == 3
-
-
-def test_no_timed_run_starts_on_dropped_traces(capsys, monkeypatch):
+def test_peers_on_a_synthetic_model_and_no_timed_run_starts_on_dropped_traces(capsys, monkeypatch):
     """The mlx-lm peer runs on MLX's own layer classes, which drops our compiled layer functions;
-    the bench rebuilds them untimed, so no timed run of ours pays for tracing."""
+    the bench rebuilds them untimed, so no timed run of ours pays for tracing. mlx-vlm, which
+    loads from disk, is not run on a synthetic model, and the report says so."""
     from mtpcli import bench
     from mtpcli.models.qwen3_5 import COMPILE_MAX_T, LayerFunctions
 
@@ -202,6 +190,9 @@ def test_no_timed_run_starts_on_dropped_traces(capsys, monkeypatch):
             "--qmm", "ours", "--repeats", "2", "-n", "6", "--json"]  # fmt: skip
     assert run(args) == 0
     assert cold == []
+    doc = json.loads(capsys.readouterr().out)
+    assert "mlx_lm" in doc["arms"] and not any(k.startswith("mlx_vlm") for k in doc["arms"])
+    assert "mlx-vlm: not run" in doc["settings"]["peer_notes"][0]
 
 
 def test_the_report_to_a_pipe_keeps_its_tables_whole(capsys):
