@@ -19,9 +19,9 @@ version as SOURCE: ``git show 43c46ab~1:mtpcli/kernels/gated_delta.py > /tmp/gd_
 A variant that does not apply to SOURCE is skipped with a note. The ko_* knock-outs
 (KNOCKOUTS) apply to the product: each takes one part out of a step, its outputs wrong by
 design, for timing only: ``VARIANTS="head ko_obfly ko_kvbfly ko_bfly1 ko_vtake ko_ystore
-ko_qk1 ko_steps1" STEPS=" " bash scripts/gdn_variants/device_sweeps.sh``. f32w (the conv
-weights read as a float32 copy in float4s) is a product candidate: bitwise the product in the
-CPU emulation; its q/k task loop 293 SASS instructions against the product's 318 (sm_90).
+ko_qk1 ko_steps1" STEPS=" " bash scripts/gdn_variants/device_sweeps.sh``. (f32w, the conv
+weights read as a float32 copy in float4s, is in the product since e244a54.) onebfly: a step's
+dot products of the old state under one butterfly, measured not faster (session 33).
 """
 
 import sys
@@ -337,37 +337,6 @@ KNOCKOUTS = {
 }
 
 
-# f32w: the conv weights as a float32 copy (a constant, made once; bf16 -> float32 is exact, so
-# the same bits), a q/k task's NPT x CK of them read as float4s: its 16 2-byte loads and their
-# conversions become 4 16-byte loads (the q/k tasks are about half of what a later step adds).
-F32W_LOAD = """        float wq_[NPT * CK];  // the lane's channels' conv weights, channel-major
-        if ((NPT * CK) % 4 == 0) {
-          DEVICE const float4* w4_ = (DEVICE const float4*)(conv_w + c0 * CK);
-          for (int m = 0; m < NPT * CK / 4; ++m) {
-            const float4 v4_ = w4_[m];
-            wq_[4 * m] = v4_.x, wq_[4 * m + 1] = v4_.y;
-            wq_[4 * m + 2] = v4_.z, wq_[4 * m + 3] = v4_.w;
-          }
-        } else {
-          for (int m = 0; m < NPT * CK; ++m) wq_[m] = conv_w[c0 * CK + m];
-        }
-"""
-QK_SUM = (
-    "        for (int i = 0; i < NPT; ++i) {  // the conv's sum in tap order, then as CONV_ACT\n"
-)
-F32W = [
-    (
-        "acc_ = acc_ + static_cast<float>(conv_w[(c0 + i) * CK + kk_])",
-        "acc_ = acc_ + wq_[i * CK + kk_]",
-    ),
-    (QK_SUM, F32W_LOAD + QK_SUM),
-    (
-        "lambda w: mx.contiguous(w.reshape(NC, K))),",
-        "lambda w: mx.contiguous(w.reshape(NC, K).astype(mx.float32))),",
-    ),
-    ('f"rows {NC}x{K}",', 'f"rows {NC}x{K} float32",'),
-    ('("WT", conv_w.dtype)]', '("WT", mx.float32)]'),
-]
 # onebfly: y = S'q = g (S q) + delta (k . q), where S' = g S + k delta, so a step's two dot
 # products of a row with the state (with k, then with q) are both taken of the old state and
 # summed by one butterfly with k . q, instead of a second butterfly after the update: a step's
@@ -430,11 +399,7 @@ ONEBFLY_NEW = """        float kv[RH], o[RH], kq;
         }
 """
 # Every variant made by plain (old, new) splices: the knock-outs and product candidates.
-SPLICED = KNOCKOUTS | {
-    "f32w": F32W,
-    "onebfly": [(ONEBFLY_OLD, ONEBFLY_NEW)],
-    "f32w_onebfly": [*F32W, (ONEBFLY_OLD, ONEBFLY_NEW)],
-}
+SPLICED = KNOCKOUTS | {"onebfly": [(ONEBFLY_OLD, ONEBFLY_NEW)]}
 
 
 def spliced(name: str, text: str) -> str:
