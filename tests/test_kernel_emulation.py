@@ -848,6 +848,41 @@ def test_emulated_folded_conv_equals_the_conv_kernel_then_the_raw_kernel():
         assert np.array_equal(g, w)
 
 
+def test_the_wrapper_hands_the_folded_kernel_float32_conv_weights(monkeypatch):
+    """A q/k task reads its conv weights as float4s, so the wrapper must pass a float32 copy
+    of bf16 weights (exact), [NC, K] and contiguous. End to end on the CPU: the wrapper's own
+    inputs go to the emulated CUDA kernel, whose outputs match the reference's on the same
+    bf16 weights (a bf16 array handed on unconverted cannot even reach the emulator)."""
+    x = _conv_layer_inputs(3, seed=12)
+    w16 = mx.array(x["conv_w"]).astype(mx.bfloat16)
+    seen = {}
+
+    def emulated(keep, raw=False, conv=False, bounds=None):
+        spec = gd._spec(False, keep, raw, conv, bounds)
+
+        def kernel(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            seen.update(zip(spec["input_names"], inputs, strict=True))
+            arrays = {n: np.array(a) for n, a in zip(spec["input_names"], inputs, strict=True)}
+            constants = {k: v for k, v in template if isinstance(v, int)}
+            outputs = dict(zip(spec["output_names"], output_shapes, strict=True))
+            out = cuda_emulation.run(spec["source"], arrays, outputs, constants, grid, threadgroup)
+            return [mx.array(o) for o in out.values()]
+
+        return kernel
+
+    monkeypatch.setattr(gd, "_kernel", emulated)
+    a = {n: mx.array(v) for n, v in x.items() if n != "conv_w"}
+    args = (a["qkv"], a["window"], w16[..., None], a["a"], a["bb"], a["A_log"], a["dt_bias"],
+            a["state_in"], (HK, DK, HV, DV))  # fmt: skip
+    got = gd.gated_delta_conv_native(*args, keep_states=True)
+    w = seen["conv_w"]
+    assert w.dtype == mx.float32 and w.shape == (x["conv_w"].shape[0], 4)
+    assert mx.array_equal(w, w16.astype(mx.float32)).item()
+    want = gd.gated_delta_conv_ops(*args, keep_states=True)
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.array(g), np.array(r), rtol=1e-4, atol=1e-5)
+
+
 def _chained_conv(x: dict, **kw) -> tuple:
     """x's T steps as T one-step launches (``_emulate_conv``'s keywords), each from the last
     one's conv window and state: y, the final state, the states but the last, the window."""
