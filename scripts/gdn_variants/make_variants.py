@@ -342,31 +342,6 @@ KNOCKOUTS = {
 # summed by one butterfly with k . q, instead of a second butterfly after the update: a step's
 # chain of dependent shuffles half as long. A different rounding (not bitwise HEAD), the same
 # arithmetic at every T (chain parity holds).
-ONEBFLY_OLD = """        float kv[RH], o[RH];
-        for (int r = 0; r < RH; ++r) {
-          float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          for (int i = 0; i < SPL; ++i) {
-            s[r][i] = s[r][i] * gt;
-            p[i % NA] = p[i % NA] + s[r][i] * kn[i];
-          }
-          kv[r] = PSUM(p);
-        }
-        for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {
-          for (int r = 0; r < RH; ++r) kv[r] = kv[r] + XOR_SHUFFLE(kv[r], off);
-        }
-        for (int r = 0; r < RH; ++r) {
-          const float delta = (vt[r] - kv[r]) * bt;
-          float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          for (int i = 0; i < SPL; ++i) {
-            s[r][i] = s[r][i] + kn[i] * delta;
-            p[i % NA] = p[i % NA] + s[r][i] * qn[i];
-          }
-          o[r] = PSUM(p);
-        }
-        for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {
-          for (int r = 0; r < RH; ++r) o[r] = o[r] + XOR_SHUFFLE(o[r], off);
-        }
-"""
 ONEBFLY_NEW = """        float kv[RH], o[RH], kq;
         {
           float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -399,7 +374,15 @@ ONEBFLY_NEW = """        float kv[RH], o[RH], kq;
         }
 """
 # Every variant made by plain (old, new) splices: the knock-outs and product candidates.
-SPLICED = KNOCKOUTS | {"onebfly": [(ONEBFLY_OLD, ONEBFLY_NEW)]}
+SPLICED = KNOCKOUTS
+# The product's step from its dot products to the y butterfly, which onebfly replaces.
+STEP_FROM = "        float kv[RH], o[RH];\n"
+STEP_TO = "o[r] = o[r] + XOR_SHUFFLE(o[r], off);\n        }\n"
+
+
+def onebfly(text: str) -> str:
+    i = text.index(STEP_FROM)
+    return text[:i] + ONEBFLY_NEW + text[text.index(STEP_TO, i) + len(STEP_TO) :]
 
 
 def spliced(name: str, text: str) -> str:
@@ -414,6 +397,8 @@ def variant(name: str, src: Path = SRC) -> str:
     text = src.read_text()
     if name in SPLICED:
         return spliced(name, text)
+    if name == "onebfly":
+        return onebfly(text)
     if name.startswith("cluster"):
         return cluster(text, int(name[len("cluster") :] or 8))
     if name == "vact2":
@@ -482,6 +467,7 @@ if __name__ == "__main__":
         "cluster",
         "cluster4",
         "cluster2",
+        "onebfly",
         *SPLICED,
     ):
         try:
