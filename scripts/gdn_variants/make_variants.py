@@ -22,6 +22,8 @@ design, for timing only: ``VARIANTS="head ko_obfly ko_kvbfly ko_bfly1 ko_vtake k
 ko_qk1 ko_steps1" STEPS=" " bash scripts/gdn_variants/device_sweeps.sh``. (f32w, the conv
 weights read as a float32 copy in float4s, is in the product since e244a54.) onebfly: a step's
 dot products of the old state under one butterfly, measured not faster (session 33).
+CANDIDATES (session 34, none faster): na2, shorter partial sums; qkh, the chunk's q/k in
+shared memory in the input dtype (bitwise the product); qkh_na2, both.
 """
 
 import sys
@@ -336,6 +338,41 @@ KNOCKOUTS = {
     ],
 }
 
+# Candidates (session 34). na2: a lane's 8 columns summed in 2 partial sums of 4 (a shorter
+# dependent chain; other bits, chain parity as before). qkh: the chunk's q/k rows in shared
+# memory in the input dtype, which holds them exactly (normalised q/k are rounded to it), so
+# a step's shared reads move half the bytes; bitwise the product.
+CANDIDATES = {
+    "na2": [
+        (
+            "constexpr int NA = SPL >= 32 ? 4 : SPL >= 16 ? 2 : 1;",
+            "constexpr int NA = SPL >= 32 ? 4 : SPL >= 8 ? 2 : 1;",
+        )
+    ],
+    "qkh": [
+        ("ALIGN16 SHARED float qk_sh[CH][2][Dk];", "ALIGN16 SHARED InT qk_sh[CH][2][Dk];"),
+        (
+            "qk_sh[j][isq ? 0 : 1][lane * NPT + i] = x[i];",
+            "qk_sh[j][isq ? 0 : 1][lane * NPT + i] = static_cast<InT>(x[i]);",
+        ),
+        (
+            "for (int i = 0; i < SPL; ++i) {\n"
+            "          qn[i] = qk_sh[j][0][COL(i)];  // a run: one 16-byte read on CUDA\n"
+            "          kn[i] = qk_sh[j][1][COL(i)];\n"
+            "        }",
+            "for (int i = 0; i < SPL; i += VW) {  // a run: one 8-byte read (2-byte types)\n"
+            "          struct alignas(VW * sizeof(InT)) Run { InT v[VW]; };\n"
+            "          const Run rq = *(const Run*)&qk_sh[j][0][COL(i)];\n"
+            "          const Run rk = *(const Run*)&qk_sh[j][1][COL(i)];\n"
+            "          for (int m = 0; m < VW; ++m) {\n"
+            "            qn[i + m] = static_cast<float>(rq.v[m]);\n"
+            "            kn[i + m] = static_cast<float>(rk.v[m]);\n"
+            "          }\n"
+            "        }",
+        ),
+    ],
+}
+
 
 # onebfly: y = S'q = g (S q) + delta (k . q), where S' = g S + k delta, so a step's two dot
 # products of a row with the state (with k, then with q) are both taken of the old state and
@@ -374,7 +411,8 @@ ONEBFLY_NEW = """        float kv[RH], o[RH], kq;
         }
 """
 # Every variant made by plain (old, new) splices: the knock-outs and product candidates.
-SPLICED = KNOCKOUTS
+CANDIDATES["qkh_na2"] = CANDIDATES["qkh"] + CANDIDATES["na2"]
+SPLICED = KNOCKOUTS | CANDIDATES
 # The product's step from its dot products to the y butterfly, which onebfly replaces.
 STEP_FROM = "        float kv[RH], o[RH];\n"
 STEP_TO = "o[r] = o[r] + XOR_SHUFFLE(o[r], off);\n        }\n"
