@@ -22,8 +22,7 @@ design, for timing only: ``VARIANTS="head ko_obfly ko_kvbfly ko_bfly1 ko_vtake k
 ko_qk1 ko_steps1" STEPS=" " bash scripts/gdn_variants/device_sweeps.sh``. (f32w, the conv
 weights read as a float32 copy in float4s, is in the product since e244a54.) onebfly: a step's
 dot products of the old state under one butterfly, measured not faster (session 33).
-CANDIDATES (session 34, none faster): na2, shorter partial sums; qkh, the chunk's q/k in
-shared memory in the input dtype (bitwise the product); qkh_na2, both.
+CANDIDATES: session 34's na2, qkh and both (qkh_na2), measured not faster.
 """
 
 import sys
@@ -372,6 +371,7 @@ CANDIDATES = {
         ),
     ],
 }
+CANDIDATES["qkh_na2"] = CANDIDATES["qkh"] + CANDIDATES["na2"]
 
 
 # onebfly: y = S'q = g (S q) + delta (k . q), where S' = g S + k delta, so a step's two dot
@@ -411,7 +411,6 @@ ONEBFLY_NEW = """        float kv[RH], o[RH], kq;
         }
 """
 # Every variant made by plain (old, new) splices: the knock-outs and product candidates.
-CANDIDATES["qkh_na2"] = CANDIDATES["qkh"] + CANDIDATES["na2"]
 SPLICED = KNOCKOUTS | CANDIDATES
 # The product's step from its dot products to the y butterfly, which onebfly replaces.
 STEP_FROM = "        float kv[RH], o[RH];\n"
