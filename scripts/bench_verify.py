@@ -235,14 +235,10 @@ def _compile(choice: str) -> Iterator[None]:
         kernels.set_compile(before)
 
 
-def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = None) -> dict:
-    """Classic decode tok/s on the same weights: ours (as loaded, with the garbage collector off,
-    the convolution as mlx-lm's ops, the residual adds apart from the products, and without
-    mx.compile), ours without the fused projections, ours on MLX's own quantized matmul
-    (compiled and not), and mlx-lm's generate_step (``names``: a subset), with each run's
-    token intervals (``token_ms``).
-    Interleaved: each repeat runs every arm once, after one untimed run under its setting (a
-    setting's switch retraces), so a drift of the machine moves all arms alike."""
+def decode_arms(target) -> dict[str, tuple[Callable, Callable]]:
+    """``classic_tps``'s arms: name -> (the setting held over its warm-up and repeats, a run
+    that returns (tok/s, token intervals)). Every setting names attributes that exist now
+    (``_patched`` checks), so an arm whose switch was renamed fails here, not mid-run."""
     from mlx_lm.generate import generate_step
 
     unfused = tm.Qwen35Target(target.model, target.config, fuse=False)
@@ -260,18 +256,21 @@ def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = 
         return len(gaps) / (stamps[-1] - stamps[0]), spread
 
     def ours(t):
-        return lambda: rate(generate_classic(t, prompt, max_tokens=n))
+        return lambda prompt, n: rate(generate_classic(t, prompt, max_tokens=n))
 
-    # arm -> (setting held over its warm-up and repeats, run)
-    arms = {
+    def mlx_lm(prompt, n):
+        return rate(generate_step(mx.array(prompt), target.model, max_tokens=n))
+
+    return {
         "ours": (nullcontext, ours(target)),
         "ours_no_gc": (_no_gc, ours(target)),
         "ours_conv_apart": (_patched(gd, FUSE_CONV=False), ours(target)),
         "ours_conv_ops": (_patched(gd, FUSE_CONV=False, conv_silu=cw.conv_silu_ops),
                           ours(target)),
         "ours_gate_folded": (_patched(qm, FUSE_GATE=True), ours(target)),
-        "ours_gated_norm_ops": (_patched(qm, FUSE_GATE=False, gated_norm=gn.gated_norm_ops),
-                                ours(target)),
+        "ours_gated_norm_ops": (
+            _patched(qm, FUSE_GATE=False, gated_norm_in_place=_gated_norm_in_place_ops),
+            ours(target)),
         "ours_attention_ops": (_patched(tm, decode_attention=da.decode_attention_ops),
                                ours(target)),
         "ours_residual_apart": (_patched(qm, FUSE_RESIDUAL=False), ours(target)),
@@ -285,17 +284,31 @@ def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = 
         "ours_mlx_qmm": (lambda: stock_layers(unfused.model), ours(unfused)),
         "ours_mlx_qmm_eager": (
             lambda: _both(stock_layers(unfused.model), _compile("off")), ours(unfused)),
-        "mlx_lm": (lambda: stock_layers(target.model),
-                   lambda: rate(generate_step(mx.array(prompt), target.model, max_tokens=n))),
+        "mlx_lm": (lambda: stock_layers(target.model), mlx_lm),
     }  # fmt: skip
-    arms = {k: v for k, v in arms.items() if names is None or k in names}
+
+
+def _gated_norm_in_place_ops(y, source, offset, weight, eps):
+    """``gated_norm_in_place``'s ops reference: the norm and gate as mlx-lm's ops."""
+    return gn.on_view(gn.gated_norm_ops, y, source, offset, weight, eps)
+
+
+def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = None) -> dict:
+    """Classic decode tok/s on the same weights, each of ``decode_arms`` (``names``: a
+    subset): ours as loaded and with one of its parts switched, ours on MLX's own quantized
+    matmul, and mlx-lm's generate_step, with each run's token intervals (``token_ms``).
+    Interleaved: each repeat runs every arm once, after one untimed run under its setting (a
+    setting's switch retraces), so a drift of the machine moves all arms alike."""
+    arms = {k: v for k, v in decode_arms(target).items() if names is None or k in names}
+    if names is not None and len(arms) < len(names):
+        raise SystemExit(f"unknown arms: {sorted(set(names) - set(arms))}")
     vals: dict[str, list[float]] = {name: [] for name in arms}
     spreads: dict[str, list[dict]] = {name: [] for name in arms}
     for _ in range(repeats):
         for name, (setting, fn) in arms.items():
             with setting():
-                fn()  # warm-up (kernel compilation, tracing)
-                tps, spread = fn()
+                fn(prompt, n)  # warm-up (kernel compilation, tracing)
+                tps, spread = fn(prompt, n)
                 vals[name].append(tps)
                 spreads[name].append(spread)
     res = {}
@@ -319,6 +332,9 @@ def _no_gc() -> Iterator[None]:
 def _patched(module, **values) -> Callable[[], AbstractContextManager[None]]:
     """A setting that gives ``module``'s attributes ``values`` over an arm's runs: one of our
     kernels' functions replaced by its ops reference, or a fusion switch turned off."""
+    missing = [name for name in values if not hasattr(module, name)]
+    if missing:  # a renamed switch would otherwise fail only when its arm's turn came
+        raise AttributeError(f"{module.__name__} has no {', '.join(missing)}")
 
     @contextmanager
     def setting() -> Iterator[None]:
