@@ -536,6 +536,27 @@ def _device() -> str:
         return "gpu"
 
 
+def _breakdown_lines(breakdown: dict) -> list[str]:
+    """The per-op breakdown's table, and a warning where its differences came out negative."""
+    lines = ["", "Per-op breakdown of the verify path, op by op (not compiled; ms; gated delta and "
+             "attention by leaving each out, which also drops the ops only it consumes, such as "
+             "the gated-delta input projections; matmuls timed alone):", "",
+             "| T | total | gated delta | attention | matmuls | matmuls if batched | rest |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for T, b in breakdown.items():
+        lines.append(
+            f"| {T} | {b['total']:.2f} | {b['gated_delta']:.2f} | {b['attention']:.2f} | "
+            f"{b['matmuls']:.2f} | {b['matmuls_if_batched']:.2f} | {b['rest']:.2f} |"
+        )
+    if any(v < 0 for b in breakdown.values() for v in b.values()):
+        lines += ["", "**Not a breakdown here:** some parts came out negative. Each "
+                  "column is timed in its own runs, and where the host sets the pace (op by op, "
+                  "a launch at a time) a part costs what building and launching it costs the "
+                  "host, so the parts do not add up to the total. Take them from the GPU's "
+                  "kernel times instead (`scripts/profile_step.py` under `ncu`)."]  # fmt: skip
+    return lines
+
+
 def _markdown(res: dict, args) -> str:
     def cell(d):
         return f"{d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f})" if d else "-"
@@ -568,17 +589,7 @@ def _markdown(res: dict, args) -> str:
                   f"{cell(res['graph_build_ms'])} ms a decode step, "
                   f"{cell(res['verify_graph_build_ms'][3])} ms a verify block of 3."]  # fmt: skip
     if "breakdown_ms" in res:
-        lines += ["", "Per-op breakdown of the verify path, op by op (not compiled; ms; gated "
-                  "delta and attention by "
-                  "leaving each out, which also drops the ops only it consumes, such as the "
-                  "gated-delta input projections; matmuls timed alone):", "",
-                  "| T | total | gated delta | attention | matmuls | matmuls if batched | rest |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
-        for T, b in res["breakdown_ms"].items():
-            lines.append(
-                f"| {T} | {b['total']:.2f} | {b['gated_delta']:.2f} | {b['attention']:.2f} | "
-                f"{b['matmuls']:.2f} | {b['matmuls_if_batched']:.2f} | {b['rest']:.2f} |"
-            )
+        lines += _breakdown_lines(res["breakdown_ms"])
         c = res["classic_tps"]
         labels = {"ours": f"ours as run (qmm {res['qmm']}, compiled layer functions)",
                   "ours_conv_ops": "same, the convolution as mlx-lm's four ops",

@@ -65,3 +65,18 @@ def test_the_gated_norm_ops_arm_runs_the_reference_and_decodes_the_same(target, 
         got = list(generate_classic(target, prompt, max_tokens=6))
     assert calls, "the arm did not reach the norm's ops reference"
     assert got == want
+
+
+def _part(total, gd, attn, mm):
+    return {"total": total, "gated_delta": gd, "attention": attn, "matmuls": mm,
+            "matmuls_if_batched": mm, "rest": total - gd - attn - mm}  # fmt: skip
+
+
+def test_a_breakdown_with_negative_parts_is_marked_as_none():
+    sane = bv._breakdown_lines({1: _part(10.0, 2.0, 1.0, 6.0)})
+    assert "| 1 | 10.00 | 2.00 | 1.00 | 6.00 | 6.00 | 1.00 |" in sane
+    assert not any("Not a breakdown" in line for line in sane)
+    host_bound = bv._breakdown_lines(
+        {1: _part(10.0, 2.0, 1.0, 6.0), 3: _part(30.0, 1.0, -2.0, 90.0)}
+    )
+    assert any("Not a breakdown" in line for line in host_bound)
