@@ -67,9 +67,9 @@ def test_the_gated_norm_ops_arm_runs_the_reference_and_decodes_the_same(target, 
     assert got == want
 
 
-def _part(total, gd, attn, mm):
-    return {"total": total, "gated_delta": gd, "attention": attn, "matmuls": mm,
-            "matmuls_if_batched": mm, "rest": total - gd - attn - mm}  # fmt: skip
+def _part(total, delta, attn, mm):
+    return {"total": total, "gated_delta": delta, "attention": attn, "matmuls": mm,
+            "matmuls_if_batched": mm, "rest": total - delta - attn - mm}  # fmt: skip
 
 
 def test_a_breakdown_with_negative_parts_is_marked_as_none():
