@@ -329,6 +329,12 @@ KNOCKOUTS = {
             "for (int u = warp; u < (t0 == 0 ? 2 : 2 * C); u += WARPS) {",
         )
     ],
+    "ko_keep": [
+        (
+            "            STORE_ROW(s_t, s[r]);",
+            "            if (s[r][0] == 1234.5f) s_t[0] = 0.0f;",
+        )
+    ],
     "ko_steps1": [
         (
             "for (int j = 0; j < C; ++j) {\n        const int t = t0 + j;",
@@ -336,6 +342,10 @@ KNOCKOUTS = {
         )
     ],
 }
+
+# ko_qk1keep (session 36): neither the later steps' q/k nor the kept states, what a T = 3
+# block would cost were both free.
+KNOCKOUTS["ko_qk1keep"] = KNOCKOUTS["ko_qk1"] + KNOCKOUTS["ko_keep"]
 
 # Candidates (session 34). na2: a lane's 8 columns summed in 2 partial sums of 4 (a shorter
 # dependent chain; other bits, chain parity as before). qkh: the chunk's q/k rows in shared
@@ -372,6 +382,58 @@ CANDIDATES = {
     ],
 }
 CANDIDATES["qkh_na2"] = CANDIDATES["qkh"] + CANDIDATES["na2"]
+
+# pipe (session 36): a step's y butterfly is deferred to run beside the next step's kv
+# butterfly (two independent chains of shuffles side by side), the last step's after the loop.
+# The same operations on the same values: bitwise the product, T = 1 unchanged but for where
+# its one y butterfly sits.
+Y_BFLY = """        for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {
+          for (int r = 0; r < RH; ++r) o[r] = o[r] + XOR_SHUFFLE(o[r], off);
+        }
+        if (hl == 0) {
+          for (int r = 0; r < RH; ++r) y_[grp * RH + r] = static_cast<InT>(o[r]);
+        }
+"""
+KV_BFLY = """        for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {
+          for (int r = 0; r < RH; ++r) kv[r] = kv[r] + XOR_SHUFFLE(kv[r], off);
+        }
+"""
+PIPE = [
+    (
+        "    float xin = 0.0f;",
+        "    float o[RH] = {};  // the last step's y partial sums, summed beside this step's kv\n"
+        "    float xin = 0.0f;",
+    ),
+    ("        float kv[RH], o[RH];\n", "        float kv[RH];\n"),
+    (Y_BFLY, ""),
+    (
+        KV_BFLY,
+        """        for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {
+          for (int r = 0; r < RH; ++r) kv[r] = kv[r] + XOR_SHUFFLE(kv[r], off);
+          PIPE_GUARD {
+            for (int r = 0; r < RH; ++r) o[r] = o[r] + XOR_SHUFFLE(o[r], off);
+          }
+        }
+        if (t > 0 && hl == 0) {
+          for (int r = 0; r < RH; ++r) y_[grp * RH + r - Hv * Dv] = static_cast<InT>(o[r]);
+        }
+""",
+    ),
+    (
+        "    for (int r = 0; r < RH; ++r) {\n      DEVICE float* s_out",
+        "    for (LANE_OFFSET off = LH / 2; off > 0; off >>= 1) {\n"
+        "      for (int r = 0; r < RH; ++r) o[r] = o[r] + XOR_SHUFFLE(o[r], off);\n"
+        "    }\n"
+        "    if (hl == 0) {\n"
+        "      for (int r = 0; r < RH; ++r) y_[grp * RH + r - Hv * Dv] = static_cast<InT>(o[r]);\n"
+        "    }\n"
+        "    for (int r = 0; r < RH; ++r) {\n      DEVICE float* s_out",
+    ),
+]
+# pipe: the y butterfly beside the next kv one only after a first step (a branch a level);
+# pipe2: always beside it (at the first step on zeros, its result unused), no branch.
+CANDIDATES["pipe"] = [(old, new.replace("PIPE_GUARD", "if (t > 0)")) for old, new in PIPE]
+CANDIDATES["pipe2"] = [(old, new.replace("PIPE_GUARD", "")) for old, new in PIPE]
 
 
 # onebfly: y = S'q = g (S q) + delta (k . q), where S' = g S + k delta, so a step's two dot
