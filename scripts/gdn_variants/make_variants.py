@@ -23,6 +23,10 @@ ko_qk1 ko_steps1" STEPS=" " bash scripts/gdn_variants/device_sweeps.sh``. (f32w,
 weights read as a float32 copy in float4s, is in the product since e244a54.) onebfly: a step's
 dot products of the old state under one butterfly, measured not faster (session 33).
 CANDIDATES: session 34's na2, qkh and both (qkh_na2), measured not faster.
+pipe2: a step's y butterfly beside the next step's kv butterfly, bitwise the product,
+measured 0.012 ms slower at T = 3 in the real step (session 36); pipe: the same behind
+a branch, which ptxas serialises (not run). ko_keep / ko_qk1keep: knock-outs of the
+kept states (and the later q/k).
 """
 
 import sys
