@@ -41,3 +41,17 @@ def test_a_splice_the_kernel_lost_is_refused(monkeypatch):
     monkeypatch.setitem(mv.SPLICED, "gone", [("no such kernel line;", "")])
     with pytest.raises(SystemExit, match="not found"):
         mv.variant("gone")
+
+
+def test_a_knock_out_skips_the_self_check_and_a_candidate_keeps_it(tmp_path):
+    """A knock-out's outputs are wrong by design, so --step must run it unchecked; a
+    candidate keeps the product's self-check."""
+    for name, skipped in (("ko_keep", True), ("ko_qk1keep", True), ("na2", False)):
+        text = mv.variant(name)
+        assert ("def _self_check_conv(*args, **kwargs)" in text) == skipped
+        path = tmp_path / f"gd_{name}.py"
+        path.write_text(text)
+        v = _load(f"mtpcli.kernels.gd_{name}_check", path)
+        co = v._self_check_conv.__code__
+        assert (co.co_argcount == 0 and co.co_flags & 0x0C == 0x0C) == skipped
+    assert v._self_check_conv.__code__.co_varnames[:4] == ("dtype", "heads", "K", "w_dtype")
