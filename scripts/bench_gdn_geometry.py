@@ -189,6 +189,8 @@ def steps(ts: list[int]) -> None:
     if tm.gated_delta_conv is not gd.gated_delta_conv:
         raise SystemExit("the model does not run this gated-delta module")
     target, _ = synthetic.build("qwen3.8-27b", bits=4)
+    if getattr(gd, "KNOCKOUT", False):  # see make_variants.py's KNOCKOUT_TAIL
+        target.policy.choose = lambda key, batched, single, probe=True: batched()
     for T in ts:
         profiled(_setup(T, target=target), REPEATS)
     layers = sum(1 for layer in target.layers if layer.is_linear)

@@ -54,4 +54,5 @@ def test_a_knock_out_skips_the_self_check_and_a_candidate_keeps_it(tmp_path):
         v = _load(f"mtpcli.kernels.gd_{name}_check", path)
         co = v._self_check_conv.__code__
         assert (co.co_argcount == 0 and co.co_flags & 0x0C == 0x0C) == skipped
+        assert getattr(v, "KNOCKOUT", False) is skipped
     assert v._self_check_conv.__code__.co_varnames[:4] == ("dtype", "heads", "K", "w_dtype")
