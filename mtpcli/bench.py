@@ -21,7 +21,8 @@ import mlx.core as mx
 from .engine import GenerationStats
 from .engine.classic import generate_classic
 from .engine.mtp import draft, generate_mtp
-from .errors import UsageError
+from .errors import PromptError, UsageError
+from .files import read_bounded
 from .kernels import backend as kernel_backend
 from .kernels.quantized_matmul import stock_layers
 from .models.qwen3_5 import cache_arrays
@@ -94,10 +95,13 @@ def timed_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> dict:
 def read_prompts(path: Path) -> list[str]:
     """One prompt per non-empty line; a line that is a JSON string literal is decoded (for
     prompts with newlines)."""
-    if not path.is_file():
-        raise UsageError(f"--prompts {path} is not a file")
+    data = read_bounded(path, "--prompts file", error=PromptError)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptError(f"--prompts {path} is not UTF-8 text (byte {e.start})") from e
     texts = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         if not line.strip():
             continue
         if line.startswith('"'):

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import MtpError, UsageError
+from .errors import Interrupted, MtpError, OutputError, PromptError, UsageError
 
 app = typer.Typer(
     add_completion=False,
@@ -21,7 +25,22 @@ app = typer.Typer(
     help="Multi-token-prediction speculative decoding for Qwen3.5-family models on MLX.",
 )
 err = Console(stderr=True, highlight=False)
-state = {"debug": False}
+state = {"debug": False, "stdin_closed": False}
+F = TypeVar("F", bound=Callable)
+
+
+def _interruptible(command: F) -> F:
+    """Ctrl-C inside a command becomes our ``Interrupted`` (exit 130, one line), the same on
+    every Typer version (some turn it into a silent exit, some into exit 1)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt as e:
+            raise Interrupted("interrupted") from e
+
+    return wrapper  # type: ignore[return-value]
 
 
 @app.callback()
@@ -30,21 +49,23 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on 
 
 
 def _read_prompt(prompt: str | None) -> str:
-    if prompt is None or prompt == "-":
-        if sys.stdin.isatty():
-            err.print("[dim]reading the prompt from stdin (end with Ctrl-D)[/dim]")
-        return sys.stdin.read()
-    return prompt
+    if prompt is not None and prompt != "-":
+        return prompt
+    if state["stdin_closed"]:
+        raise PromptError("no prompt: -p was not given and standard input is closed")
+    if sys.stdin.isatty():
+        err.print("[dim]reading the prompt from stdin (end with Ctrl-D)[/dim]")
+    raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(raw, str):
+        return raw
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptError(f"the prompt on stdin is not valid UTF-8 (byte {e.start})") from e
 
 
-def _encode(tokenizer, prompt: str, system: str | None, ignore_template: bool) -> list[int]:
-    if ignore_template or not getattr(tokenizer, "chat_template", None):
-        return tokenizer.encode(prompt)
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": prompt}
-    ]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+def _note(msg: str) -> None:
+    err.print(f"[dim]{msg}[/dim]", soft_wrap=True)
 
 
 def _print_stats(stats, draft_kind: str) -> None:
@@ -97,6 +118,7 @@ def _stats_json(stats) -> dict:
 
 
 @app.command()
+@_interruptible
 def generate(
     model: str | None = typer.Option(
         None,
@@ -123,7 +145,9 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
     min_p: float = typer.Option(0.0, "--min-p"),
-    seed: int | None = typer.Option(None, "--seed", help="Seed for sampling."),
+    seed: int | None = typer.Option(
+        None, "--seed", min=0, max=2**64 - 1, help="Seed for sampling (0 to 2^64 - 1)."
+    ),
     system_prompt: str | None = typer.Option(None, "--system-prompt"),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template"),
     as_json: bool = typer.Option(
@@ -155,6 +179,7 @@ def generate(
     from .example import NOTE, ensure_example
     from .kernels import set_mode, set_qmm
     from .loading import load_pair
+    from .tokenizer import encode_prompt
 
     set_mode(kernels)
     set_qmm(qmm)
@@ -169,19 +194,17 @@ def generate(
         raise UsageError("--draft-block-size needs --draft-model (a qwen3_5_mtp drafter)")
     loaded = load_pair(model, draft_model, draft_kind)
     text = _read_prompt(prompt)
-    ids = _encode(loaded.tokenizer, text, system_prompt, ignore_chat_template)
+    ids = encode_prompt(loaded.tokenizer, text, system_prompt, ignore_chat_template)
     eos = set(loaded.tokenizer.eos_token_ids) | set(loaded.target.config.eos_token_ids)
     if seed is not None:
         mx.random.seed(seed)
     stats = GenerationStats()
     block, decision, pair = None, None, None
     if loaded.draft_kind == "mtp":
-        pair = f"{loaded.target_dir}|{loaded.drafter_dir}"
+        pair = loaded.pair_key
         decision = gate.gate(
             loaded.target, loaded.drafter, draft_block_size or loaded.drafter.block_size, pair,
-            forced=draft_kind == "mtp", adapt=draft_block_size is None,
-            notify=lambda: err.print("[dim]calibrating the MTP gate (once per machine and "
-                                     "model shape)[/dim]"),
+            forced=draft_kind == "mtp", adapt=draft_block_size is None, note=_note,
         )  # fmt: skip
         block = decision.block
         if verbose or not decision.engaged:
@@ -210,7 +233,7 @@ def generate(
             sys.stdout.flush()
     detok.finalize()
     if decision is not None and decision.engaged:
-        gate.remember(pair, stats.mtp)
+        gate.remember(pair, stats.mtp, note=_note)
     if as_json:
         doc = {
             "text": detok.text,
@@ -229,6 +252,7 @@ def generate(
 
 
 @app.command("inspect-weights")
+@_interruptible
 def inspect_weights(
     path: str = typer.Argument(..., help="Checkpoint directory or Hugging Face repo id."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -243,7 +267,7 @@ def inspect_weights(
         return
     table = Table(title=f"mtp inspect-weights {path}", show_header=False)
     for key in ("model_type", "layout", "dtypes", "quantization", "tensor_count", "total_bytes",
-                "mtp_tensor_count", "block_size", "config_mtp_layers"):  # fmt: skip
+                "mtp_tensor_count", "mtp_layout", "block_size", "config_mtp_layers"):  # fmt: skip
         table.add_row(key, str(info[key]))
     table.add_row("mtp tensors", "\n".join(info["mtp_tensors"]) or "-")
     table.add_row("+1.0 norm shift", "\n".join(info["norm_shift"]) or "-")
@@ -259,6 +283,7 @@ def inspect_weights(
 
 
 @app.command("extract-drafter")
+@_interruptible
 def extract_drafter_cmd(
     src: Path = typer.Argument(..., help="A raw Hugging Face checkpoint with mtp.* tensors."),
     out: Path = typer.Argument(..., help="Directory to write the standalone drafter to."),
@@ -277,6 +302,7 @@ def extract_drafter_cmd(
 
 
 @app.command()
+@_interruptible
 def bench(
     model: str | None = typer.Option(
         None, "-m", "--model", help="Target (default: built-in example)."
@@ -337,6 +363,7 @@ def bench(
             raise UsageError(f"--block-size must be in [2, 16], got {b}")
     if simulate_acceptance is not None and not 0 <= simulate_acceptance <= 1:
         raise UsageError(f"--simulate-acceptance must be in [0, 1], got {simulate_acceptance}")
+    read_texts = B.read_prompts(prompts_file) if prompts_file is not None else None
     load_before = _os.getloadavg()
     on_example = model is None and not synthetic
     if synthetic:
@@ -369,8 +396,8 @@ def bench(
             except Exception as e:  # a peer that cannot load this pair is a note, not a stop
                 peer_notes.append(f"mlx-vlm: could not load this pair ({type(e).__name__}: {e})")
     texts = example_prompts()[:3] if on_example else B.DEFAULT_PROMPTS
-    if prompts_file is not None:
-        texts = B.read_prompts(prompts_file)
+    if read_texts is not None:
+        texts = read_texts
     if tokenizer is not None:
         prompts = [tokenizer.encode(t) for t in texts]
     else:  # random weights know no tokenizer: fixed pseudo-random ids of the same lengths
@@ -421,28 +448,53 @@ def bench(
 
 
 def run(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit code. Errors become one red line on stderr."""
-    import click
-
+    """Run the CLI; returns the exit code. Our errors become one red line on stderr; usage
+    errors get Typer's own message and exit 2; Ctrl-C exits 130."""
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv, prog_name="mtp")  # standalone: Typer reports its usage errors itself
         return 0
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except MtpError as e:
         if state["debug"]:
             raise
         err.print(f"[bold red]error:[/bold red] {e}", soft_wrap=True)
         return e.exit_code
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        err.print("aborted")
+    except KeyboardInterrupt:  # outside a command: while parsing or importing
+        err.print("[bold red]error:[/bold red] interrupted")
         return 130
-    except click.exceptions.ClickException as e:
-        e.show()
-        return e.exit_code
-    except click.exceptions.Exit as e:
-        return e.exit_code
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _guard_std_streams() -> None:
+    """A closed stdin, stdout or stderr (``<&-``, ``>&-``) leaves its descriptor free, and
+    the next file opened (a weights file) would take it: hold each with /dev/null."""
+    closed = [fd for fd in (0, 1, 2) if not _is_open(fd)]
+    for fd in closed:
+        os.dup2(os.open(os.devnull, os.O_RDWR), fd)
+    if 2 in closed:
+        sys.stderr = err.file = open(2, "w", closefd=False)  # noqa: SIM115 - for the process
+    state["stdin_closed"] = 0 in closed
+    if 1 in closed:
+        raise OutputError(
+            "standard output is closed (>&-): there is nowhere to write the output; "
+            "redirect it to a file or /dev/null instead"
+        )
 
 
 def main() -> None:
+    try:
+        _guard_std_streams()
+    except OutputError as e:
+        err.print(f"[bold red]error:[/bold red] {e}", soft_wrap=True)
+        sys.exit(e.exit_code)
     sys.exit(run())
 
 

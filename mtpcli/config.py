@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import BadConfigError, ConfigOutOfBoundsError, UnsupportedModelTypeError
+from .files import read_bounded
 
 # model_type -> what it is, for targets and drafters.
 TARGET_TYPES = ("qwen3_5", "qwen3_5_moe")
@@ -132,6 +133,13 @@ class TextConfig:
             )
         head_dim = _int(d, "head_dim", 2, 1024, max(hidden // heads, 2))
         layers = _int(d, "num_hidden_layers", 1, 1024)
+        rope = _rope(d)
+        rotary = int(head_dim * rope["partial_rotary_factor"])
+        if rotary < 2 or rotary % 2:
+            raise ConfigOutOfBoundsError(
+                f"partial_rotary_factor {rope['partial_rotary_factor']} of head_dim {head_dim} "
+                f"rotates {rotary} dimensions; RoPE needs an even number, at least 2"
+            )
         lv = _int(d, "linear_num_value_heads", 1, 1024, 64)
         lk = _int(d, "linear_num_key_heads", 1, 1024, 16)
         if lv % lk:
@@ -170,7 +178,7 @@ class TextConfig:
             norm_topk_prob=_bool(d, "norm_topk_prob", True),
             decoder_sparse_step=_int(d, "decoder_sparse_step", 1, 1024, 1),
             mtp_num_hidden_layers=_int(d, "mtp_num_hidden_layers", 0, 16, 0),
-            rope_parameters=_rope(d),
+            rope_parameters=rope,
         )
 
     @property
@@ -237,20 +245,15 @@ def _eos(*dicts: dict) -> tuple[int, ...]:
 
 def read_json_object(path: Path, what: str) -> dict:
     """Read a JSON object from ``path``, or raise a named error saying what is wrong."""
-    if not path.exists():
-        raise BadConfigError(f"no {what} at {path}")
-    if path.is_dir():
-        raise BadConfigError(f"{path} is a directory, expected the {what} file")
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise BadConfigError(f"cannot read {path}: {e.strerror}") from e
+    raw = read_bounded(path, what)
     try:
         obj = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise BadConfigError(f"{path} is not UTF-8 text") from e
     except json.JSONDecodeError as e:
         raise BadConfigError(f"{path} is not valid JSON: {e.msg} (line {e.lineno})") from e
+    except RecursionError as e:
+        raise BadConfigError(f"{path} is nested too deeply to be a {what}") from e
     if not isinstance(obj, dict):
         raise BadConfigError(f"{path} must hold a JSON object, found {type(obj).__name__}")
     return obj

@@ -48,6 +48,25 @@ class TokenizerError(MtpError):
     """The target directory has no usable tokenizer."""
 
 
+class NonFiniteOutputError(BadCheckpointError):
+    """The target's first logits hold NaN or Inf: its weights cannot be decoded from."""
+
+
+class PromptError(MtpError):
+    """The prompt cannot be turned into tokens (bad text, or a chat template that fails)."""
+
+
+class OutputError(MtpError):
+    """Where the results should go cannot be written: stdout closed, an output directory
+    that is a file, unwritable, or not empty."""
+
+
+class Interrupted(MtpError):
+    """Ctrl-C (SIGINT): the run stopped; what it was writing was removed."""
+
+    exit_code = 130
+
+
 class UsageError(MtpError):
     """An argument combination or value the engine cannot honour."""
 
@@ -56,3 +75,11 @@ class UsageError(MtpError):
 
 class BatchNotSupportedError(UsageError):
     """The MTP engine runs one sequence at a time."""
+
+
+class ContextTooLongError(UsageError):
+    """The prompt plus the tokens asked for exceed the model's positions."""
+
+
+class SamplingError(UsageError):
+    """Sampling settings that cannot be sampled from (e.g. a temperature of 1e-40)."""

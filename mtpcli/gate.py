@@ -17,18 +17,22 @@ was asked for, the gate also picks the block size with the best expected speedup
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import platform
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
 from . import kernels
 from .engine import MTPStats
+from .errors import MtpError
+from .files import read_bounded
 
 PRIOR_ACCEPTANCE = 0.6
 # Predictions came within about 5% of the measured speedups on the CPU example
@@ -173,18 +177,75 @@ def calibrate(
     return Calibration(step, rounds, seen[0] / seen[1] if seen[1] else None)
 
 
+MAX_MS = 1e5  # a step or round of 100 s is no measurement of a model we run
+MAX_STORE_BYTES = 4 << 20
+
+
+def _ms(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= MAX_MS
+
+
+def _valid_calibration(c) -> bool:
+    rounds = c.get("round_ms") if isinstance(c, dict) else None
+    return (
+        _ms(c.get("step_ms"))
+        and isinstance(rounds, dict)
+        and bool(rounds)
+        and all(b.isdigit() and 2 <= int(b) <= 16 and _ms(v) for b, v in rounds.items())
+    )
+
+
+def _valid_acceptance(a) -> bool:
+    v = a.get("value") if isinstance(a, dict) else None
+    return (
+        isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and 0 <= v <= 1  # NaN fails this too
+        and isinstance(a.get("source"), str)
+    )
+
+
+def _empty() -> dict:
+    return {"version": STORE_VERSION, "calibrations": {}, "acceptance": {}}
+
+
 class GateStore:
-    """Calibrations and last acceptances, in one small JSON file (rewritten atomically)."""
+    """Calibrations and last acceptances, in one small JSON file.
+
+    It is a cache, and never trusted: what is read is validated entry by entry (an invalid
+    entry is dropped, so that pair or shape is measured again) and each problem is kept in
+    ``notes``. Writes re-read the file under a lock and replace it atomically, so concurrent
+    runs merge their entries instead of losing one."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.data = {"version": STORE_VERSION, "calibrations": {}, "acceptance": {}}
+        self.notes: list[str] = []
+        self.data = self._read()
+
+    def _note(self, what: str) -> None:
+        self.notes.append(f"gate cache {self.path}: {what}")
+
+    def _read(self) -> dict:
+        if not (self.path.exists() or self.path.is_symlink()):
+            return _empty()
         try:
-            data = json.loads(path.read_text())
-            if isinstance(data, dict) and data.get("version") == STORE_VERSION:
-                self.data = data
-        except (OSError, ValueError):
-            pass  # missing or unreadable: start afresh, it is only a cache
+            data = json.loads(read_bounded(self.path, "gate cache", MAX_STORE_BYTES))
+        except (MtpError, ValueError, RecursionError) as e:
+            self._note(f"unreadable ({e}); measuring afresh")
+            return _empty()
+        if not isinstance(data, dict) or data.get("version") != STORE_VERSION:
+            self._note("not this version's format; measuring afresh")
+            return _empty()
+        out = _empty()
+        for part, valid in (("calibrations", _valid_calibration),
+                            ("acceptance", _valid_acceptance)):  # fmt: skip
+            entries = data.get(part)
+            entries = entries if isinstance(entries, dict) else {}
+            bad = [k for k, v in entries.items() if not valid(v)]
+            if bad or not isinstance(data.get(part), dict):
+                self._note(f"dropped {len(bad) or 'all'} invalid {part} entries")
+            out[part] = {k: v for k, v in entries.items() if k not in bad}
+        return out
 
     def calibration(self, key: str, blocks: list[int]) -> Calibration | None:
         c = self.data["calibrations"].get(key)
@@ -193,12 +254,12 @@ class GateStore:
         return Calibration(c["step_ms"], {int(b): v for b, v in c["round_ms"].items()})
 
     def put_calibration(self, key: str, cal: Calibration) -> None:
-        old = self.data["calibrations"].get(key, {}).get("round_ms", {})
-        entry = asdict(cal)
-        entry.pop("acceptance")
-        entry["round_ms"] = old | {str(b): v for b, v in cal.round_ms.items()}
-        self.data["calibrations"][key] = entry
-        self._save()
+        def put(data: dict) -> None:
+            old = data["calibrations"].get(key, {}).get("round_ms", {})
+            rounds = old | {str(b): v for b, v in cal.round_ms.items()}
+            data["calibrations"][key] = {"step_ms": cal.step_ms, "round_ms": rounds}
+
+        self._update(put)
 
     def acceptance(self, pair: str) -> tuple[float, str] | None:
         """The pair's last known per-draft acceptance and where it came from."""
@@ -206,18 +267,30 @@ class GateStore:
         return (entry["value"], entry["source"]) if entry else None
 
     def put_acceptance(self, pair: str, value: float, source: str = "last run") -> None:
-        self.data["acceptance"][pair] = {"value": value, "source": source}
-        self._save()
+        entry = {"value": value, "source": source}
+        self._update(lambda data: data["acceptance"].update({pair: entry}))
 
-    def _save(self) -> None:
+    def _update(self, change: Callable[[dict], None]) -> None:
+        """Apply ``change`` to the file's current contents, under the lock, atomically."""
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".gate-")
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.data, f, indent=1)
-            os.replace(tmp, self.path)
-        except OSError:
-            pass  # a read-only cache only costs a re-calibration next time
+            with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                self.data = self._read()  # what other runs wrote since we read it
+                change(self.data)
+                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".gate-")
+                with os.fdopen(fd, "w") as f:
+                    json.dump(self.data, f, indent=1)
+                os.replace(tmp, self.path)
+                tmp = None
+        except OSError as e:
+            change(self.data)  # this run still uses it; the next one measures again
+            self._note(f"not written ({e.strerror or e}); the next run measures again")
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
 
 def store() -> GateStore:
@@ -237,13 +310,13 @@ def gate(
     *,
     forced: bool = False,
     adapt: bool = False,
-    notify: Callable[[], None] | None = None,
+    note: Callable[[str], None] = lambda msg: None,
 ) -> GateDecision:
     """Decide whether this run should use MTP, and at which block size.
 
     ``forced`` (``--draft-kind mtp``) runs MTP at ``block``; ``adapt`` (no block size asked
-    for) lets the gate pick among ``ADAPT_BLOCKS`` and ``block``; ``notify`` is called before
-    a calibration, which takes a few short generations.
+    for) lets the gate pick among ``ADAPT_BLOCKS`` and ``block``; ``note`` is told before a
+    calibration (a few short generations) and of any problem with the cache.
     """
     if forced:
         return GateDecision(True, block, "forced by --draft-kind mtp", None)
@@ -253,8 +326,7 @@ def gate(
     cal = st.calibration(key, blocks)
     seen = None
     if cal is None:
-        if notify is not None:
-            notify()
+        note("calibrating the MTP gate (once per machine and model shape)")
         cal = calibrate(target, drafter, blocks)
         st.put_calibration(key, cal)
         seen = cal.acceptance
@@ -262,12 +334,19 @@ def gate(
     if known is None and seen is not None:  # this pair, if on a made-up prompt: beats the prior
         known = (seen, "measured while calibrating")
         st.put_acceptance(pair, *known)
+    for msg in dict.fromkeys(st.notes):
+        note(msg)
     return decide(cal, blocks, *(known or (PRIOR_ACCEPTANCE, "prior")))
 
 
-def remember(pair: str, stats: MTPStats | None) -> None:
+def remember(
+    pair: str, stats: MTPStats | None, note: Callable[[str], None] = lambda msg: None
+) -> None:
     """Keep this run's acceptance for the next decision on the same pair."""
     if stats is not None and stats.rounds:
         a = acceptance_estimate(stats)
         if a is not None:
-            store().put_acceptance(pair, a)
+            st = store()
+            st.put_acceptance(pair, a)
+            for msg in dict.fromkeys(st.notes):
+                note(msg)

@@ -18,6 +18,12 @@ LAYOUTS = {
     "mlx_flat": "MLX target (flat layout)",
 }
 
+# How a layout names its MTP head's tensors (None: it holds no head).
+MTP_LAYOUTS = {
+    "drafter": "standalone (the whole checkpoint is the head, names without 'mtp.')",
+    "raw_mtp": "raw (mtp.* names inside a full checkpoint)",
+}
+
 
 def _layout(model_type: str, names: list[str]) -> str:
     if model_type in DRAFTER_TYPES:
@@ -39,13 +45,21 @@ def describe(model_dir: Path) -> dict:
     model_type = config.get("model_type") if isinstance(config.get("model_type"), str) else ""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     layout = _layout(model_type, names)
-    mtp = [n for n in names if n.startswith(MTP_PREFIX)]
+    # The MTP head's tensors: all of a standalone drafter's, the mtp.* ones of a raw checkpoint.
+    mtp = names if layout == "drafter" else [n for n in names if n.startswith(MTP_PREFIX)]
     quant = config.get("quantization")
     try:
         check_drafter(model_dir)
+        packed = sum(1 for n in names if n.endswith(".scales"))
+        how = (
+            f": the head's {len(names) - 2 * packed} tensors, {packed} of them quantized and "
+            "stored as weight, scales and biases"
+            if packed
+            else ""
+        )
         drafter_ok, reason = (
             True,
-            f"standalone {model_type} drafter; its {len(names)} tensors match its config",
+            f"standalone {model_type} drafter; its {len(names)} tensors match its config{how}",
         )
     except MtpError as e:
         drafter_ok, reason = False, str(e)
@@ -65,6 +79,7 @@ def describe(model_dir: Path) -> dict:
         "tensor_count": len(names),
         "total_bytes": sum(i.nbytes for i in inv.values()),
         "mtp_tensor_count": len(mtp),
+        "mtp_layout": MTP_LAYOUTS.get(layout),
         "mtp_tensors": mtp,
         "norm_shift": norm_shift_names(names),
         "drafter_ok": drafter_ok,

@@ -21,10 +21,11 @@ from .errors import (
     ModelNotFoundError,
     NotStandaloneDrafterError,
     TargetNotMTPCapableError,
-    TokenizerError,
     UnsupportedModelTypeError,
     UsageError,
 )
+from .files import readable_dir
+from .tokenizer import load_tokenizer
 from .weights import (
     MTP_PREFIX,
     TensorInfo,
@@ -51,28 +52,28 @@ SPLIT_HINT = (
 def resolve_path(ref: str, what: str = "model") -> Path:
     """A local directory, or a Hugging Face repo id resolved to a local snapshot."""
     path = Path(ref).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise ModelNotFoundError(f"{what} {ref} is a file; pass the checkpoint's directory")
-        return path
+    if path.exists() or path.is_symlink():
+        return readable_dir(path, what, ModelNotFoundError)
     if not _REPO_ID.match(ref):
         raise ModelNotFoundError(f"{what} {ref} does not exist")
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(
-            snapshot_download(ref, local_files_only=True, allow_patterns=_SNAPSHOT_PATTERNS)
-        )
+        snapshot = snapshot_download(ref, local_files_only=True, allow_patterns=_SNAPSHOT_PATTERNS)
+        return readable_dir(Path(snapshot), what, ModelNotFoundError)
+    except ModelNotFoundError:
+        raise
     except Exception:  # noqa: BLE001 - not cached: try the hub below
         pass
     try:
-        return Path(snapshot_download(ref, allow_patterns=_SNAPSHOT_PATTERNS))
+        snapshot = snapshot_download(ref, allow_patterns=_SNAPSHOT_PATTERNS)
     except Exception as e:  # noqa: BLE001 - any hub failure is the same user-facing problem
         raise ModelNotFoundError(
             f"{what} '{ref}' is not a local directory and the Hugging Face Hub could not "
             f"provide it ({type(e).__name__}); download it first (`hf download {ref}`) "
             "or pass a local path"
         ) from e
+    return readable_dir(Path(snapshot), what, ModelNotFoundError)
 
 
 def peek_model_type(model_dir: Path) -> str:
@@ -155,18 +156,6 @@ def check_drafter(drafter_dir: Path, target: ModelConfig | None = None) -> Model
     return config
 
 
-def load_tokenizer(model_dir: Path, eos_token_ids: tuple[int, ...]):
-    """mlx-lm's tokenizer wrapper (chat template, streaming detokenizer, EOS ids)."""
-    from mlx_lm.tokenizer_utils import load as load_tok
-
-    if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer.model").exists():
-        raise TokenizerError(f"{model_dir} has no tokenizer (tokenizer.json or tokenizer.model)")
-    try:
-        return load_tok(model_dir, eos_token_ids=list(eos_token_ids) or None)
-    except Exception as e:  # noqa: BLE001 - tokenizer libraries raise many types
-        raise TokenizerError(f"cannot load the tokenizer in {model_dir}: {e}") from e
-
-
 @dataclass
 class Loaded:
     target: object  # Qwen35Target
@@ -175,6 +164,13 @@ class Loaded:
     draft_kind: str
     target_dir: Path
     drafter_dir: Path | None
+
+    @property
+    def pair_key(self) -> str:
+        """Names this target and drafter wherever they are reached from (links, relative
+        paths, repo ids): the gate keeps the pair's acceptance under it."""
+        drafter = self.drafter_dir.resolve() if self.drafter_dir else None
+        return f"{self.target_dir.resolve()}|{drafter}"
 
 
 def load_pair(model: str, draft_model: str | None, draft_kind: str = "auto") -> Loaded:
@@ -199,7 +195,7 @@ def load_pair(model: str, draft_model: str | None, draft_kind: str = "auto") -> 
         check_drafter(drafter_dir)  # refuses with what the directory is and how to get a drafter
     kind = resolve_draft_kind(draft_kind, drafter_type, tcfg.model_type)
     dcfg = check_drafter(drafter_dir, tcfg) if kind == "mtp" else None
-    tokenizer = load_tokenizer(target_dir, tcfg.eos_token_ids)
+    tokenizer = load_tokenizer(target_dir, tcfg.eos_token_ids, tcfg.text.vocab_size)
     target = load_target(target_dir, tcfg)
     drafter = load_drafter(drafter_dir, dcfg, target.embed_tokens) if dcfg else None
     return Loaded(target, drafter, tokenizer, kind, target_dir, drafter_dir)

@@ -8,6 +8,7 @@ Hugging Face MTP layout is turned into the standalone MLX layout.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from .config import read_json_object
 from .errors import BadCheckpointError, BadConfigError
+from .files import regular_file, why
 
 DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
@@ -49,13 +51,11 @@ class TensorInfo:
 
 
 def _checked_file(path: Path) -> Path:
-    if not path.exists():
-        raise BadCheckpointError(f"weights file {path} is missing (or a dangling link)")
-    real = path.resolve()
-    if real.is_dir():
-        raise BadCheckpointError(f"{path} is a directory, expected a .safetensors file")
-    if not real.is_file():
-        raise BadCheckpointError(f"{path} is not a regular file")
+    real = regular_file(path, "weights file", BadCheckpointError).resolve()
+    try:  # the cause MLX's own open would hide ("Failed to open file")
+        os.close(os.open(real, os.O_RDONLY))
+    except OSError as e:
+        raise BadCheckpointError(f"cannot read the weights file {path}: {why(e)}") from e
     return real
 
 

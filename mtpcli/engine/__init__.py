@@ -6,7 +6,12 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..errors import BatchNotSupportedError, UsageError
+from ..errors import (
+    BatchNotSupportedError,
+    ContextTooLongError,
+    NonFiniteOutputError,
+    UsageError,
+)
 
 
 @dataclass
@@ -82,3 +87,24 @@ def prompt_array(prompt) -> mx.array:
     if arr.shape[1] == 0:
         raise UsageError("the prompt is empty: give at least one token")
     return arr.astype(mx.int32)
+
+
+def check_room(target, prompt_tokens: int, max_tokens: int) -> None:
+    """Refuse a generation that would run past the model's positions (or forever)."""
+    limit = target.config.text.max_position_embeddings
+    if prompt_tokens + max_tokens > limit:
+        raise ContextTooLongError(
+            f"the prompt ({prompt_tokens} tokens) plus --max-tokens ({max_tokens}) exceeds the "
+            f"model's {limit} positions (max_position_embeddings); ask for at most "
+            f"{max(limit - prompt_tokens, 0)} tokens or shorten the prompt"
+        )
+
+
+def check_finite(logits: mx.array) -> None:
+    """The first logits a generation reads must be numbers: NaN or Inf there means the
+    weights are broken, and decoding them would print garbage with a clean exit."""
+    if not mx.isfinite(logits).all().item():
+        raise NonFiniteOutputError(
+            "the target's logits at the first step are not finite (NaN or Inf): its weights "
+            "are damaged or were converted wrongly; re-download or re-convert the checkpoint"
+        )

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 
 import mlx.core as mx
 
-from . import GenerationStats, prompt_array
+from . import GenerationStats, check_finite, check_room, prompt_array
 from .sampling import SamplingParams, pick
 
 
@@ -24,10 +24,13 @@ def generate_classic(
     stats = stats if stats is not None else GenerationStats()
     eos = set(eos_ids)
     tokens = prompt_array(prompt)
+    check_room(target, tokens.shape[1], max_tokens)
     cache = target.make_cache()
     start = time.perf_counter()
     hidden = target.prefill(tokens, cache)
-    y = pick(target.lm_head(hidden[:, -1:])[0, -1], sampling)
+    logits = target.lm_head(hidden[:, -1:])[0, -1]  # [V]
+    check_finite(logits)
+    y = pick(logits, sampling)
     mx.eval(y)
     stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
     start = time.perf_counter()

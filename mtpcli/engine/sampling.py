@@ -7,7 +7,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from ..errors import UsageError
+from ..errors import SamplingError
+
+# Outside these the float32 distribution is numerically greedy or uniform, and at the edges
+# (subnormal or infinite temperatures) NaN: ask for 0 (greedy) instead of sampling garbage.
+MIN_TEMP, MAX_TEMP = 1e-6, 1e6
 
 
 @dataclass(frozen=True)
@@ -18,14 +22,16 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.temp >= 0:
-            raise UsageError(f"--temp must be >= 0, got {self.temp}")
+        if not (self.temp == 0 or MIN_TEMP <= self.temp <= MAX_TEMP):
+            raise SamplingError(
+                f"--temp must be 0 (greedy) or in [{MIN_TEMP:g}, {MAX_TEMP:g}], got {self.temp}"
+            )
         if not 0 < self.top_p <= 1:
-            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise SamplingError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise UsageError(f"--top-k must be >= 0, got {self.top_k}")
+            raise SamplingError(f"--top-k must be >= 0, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
-            raise UsageError(f"--min-p must be in [0, 1], got {self.min_p}")
+            raise SamplingError(f"--min-p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:

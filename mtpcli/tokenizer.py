@@ -1,0 +1,66 @@
+"""The target's tokenizer (mlx-lm's wrapper) and turning a prompt into ids, with named errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import PromptError, TokenizerError
+from .files import MAX_JSON_BYTES, regular_file
+
+# Files the tokenizer libraries open when present: each must be a bounded regular file.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "generation_config.json", "vocab.json",
+    "merges.txt", "tokenizer.model",
+)  # fmt: skip
+
+
+def load_tokenizer(model_dir: Path, eos_token_ids: tuple[int, ...], vocab_size: int):
+    """mlx-lm's tokenizer wrapper (chat template, streaming detokenizer, EOS ids), refused if
+    any of its ids lies outside the model's ``vocab_size`` embedding rows."""
+    from mlx_lm.tokenizer_utils import load as load_tok
+
+    if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer.model").exists():
+        raise TokenizerError(f"{model_dir} has no tokenizer (tokenizer.json or tokenizer.model)")
+    for name in TOKENIZER_FILES:
+        path = model_dir / name
+        if path.exists() or path.is_symlink():
+            regular_file(path, name, TokenizerError, MAX_JSON_BYTES)
+    try:
+        tokenizer = load_tok(model_dir, eos_token_ids=list(eos_token_ids) or None)
+        top = max(tokenizer.get_vocab().values(), default=-1)
+    except Exception as e:  # noqa: BLE001 - tokenizer libraries raise many types
+        raise TokenizerError(f"cannot load the tokenizer in {model_dir}: {e}") from e
+    if top >= vocab_size:
+        raise TokenizerError(
+            f"the tokenizer in {model_dir} has token id {top}, but the model embeds only "
+            f"{vocab_size} ids (vocab_size); the tokenizer belongs to another model"
+        )
+    return tokenizer
+
+
+def encode_prompt(
+    tokenizer, prompt: str, system: str | None = None, ignore_template: bool = False
+) -> list[int]:
+    """Prompt ids: through the chat template when the tokenizer has one (and it is not
+    ignored), else the plain text."""
+    for what, text in (("prompt", prompt), ("system prompt", system or "")):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # undecodable argv bytes arrive as lone surrogates
+            raise PromptError(
+                f"the {what} is not valid UTF-8 (at character {e.start}); pass UTF-8 text"
+            ) from e
+    if ignore_template or not getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode(prompt)
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - the template is a user-supplied Jinja program
+        raise PromptError(
+            f"the chat template failed ({type(e).__name__}: {e}); fix the template or pass "
+            "--ignore-chat-template"
+        ) from e
+    return tokenizer.encode(text, add_special_tokens=False)
