@@ -116,19 +116,34 @@ def test_block_forward_equals_single_steps(load):
     _assert_same_caches(ca, cb)
 
 
-def test_rollback_restores_exact_state(load):
-    """After verify + rollback to n, the caches equal those of n decode steps."""
-    target = load().target
+# The rollback's restores (KV trim, conv window, recurrent state) on a dense and a MoE pair.
+ROLLBACK_PAIRS = {"dense-bf16": {}, "moe-4bit": {"moe": True, "bits": 4}}
+ROLLBACK_PARTS = ["restore_state", "restore_conv", "trim_kv"]
+
+
+def _rollback_equals_steps(target, n_keep: int) -> bool:
+    """Verify a 4-token block and roll back to ``n_keep``: do the caches equal those of
+    ``n_keep`` decode steps, bitwise?"""
     prompt, block = mx.array([[3, 1, 4, 1, 5]]), mx.array([[9, 2, 6, 5]])
-    for n_keep in range(1, 5):
-        ca, cb = target.make_cache(), target.make_cache()
-        target.prefill(prompt, ca)
-        target.prefill(prompt, cb)
-        out = target.forward(block, ca, verify=True)
-        target_mod.rollback(ca, out.traces, n_keep, block.shape[1])
-        for t in range(n_keep):
-            target.forward(block[:, t : t + 1], cb)
+    ca, cb = target.make_cache(), target.make_cache()
+    target.prefill(prompt, ca)
+    target.prefill(prompt, cb)
+    out = target.forward(block, ca, verify=True)
+    target_mod.rollback(ca, out.traces, n_keep, block.shape[1])
+    for t in range(n_keep):
+        target.forward(block[:, t : t + 1], cb)
+    try:
         _assert_same_caches(ca, cb)
+        return True
+    except AssertionError:
+        return False
+
+
+@pytest.mark.parametrize("pair", ROLLBACK_PAIRS)
+def test_rollback_restores_exact_state(load, pair):
+    """After verify + rollback to n, the caches equal those of n decode steps."""
+    target = load(**ROLLBACK_PAIRS[pair]).target
+    assert all(_rollback_equals_steps(target, n) for n in range(1, 5))
 
 
 def _primitives(tmp_path, *arrays) -> set[str]:
@@ -272,14 +287,20 @@ def test_dense_layers_go_position_by_position_in_a_gpu_verify(load, monkeypatch)
     kernels.changed()
 
 
-@pytest.mark.parametrize("fault", ["restore_state", "restore_conv", "trim_kv"])
-def test_broken_rollback_breaks_exactness(load, monkeypatch, fault):
-    """Mutation test: disabling any one part of the rollback makes MTP diverge from classic."""
-    loaded = load()
-    wants = {i: _classic(loaded, PROMPTS[i], 64) for i in (1, 2, 3)}
+@pytest.mark.parametrize("pair", ROLLBACK_PAIRS)
+@pytest.mark.parametrize("fault", ROLLBACK_PARTS)
+def test_broken_rollback_breaks_exactness(load, monkeypatch, pair, fault):
+    """Mutation test: with any one restore disabled, the rolled-back caches differ from the
+    decode steps' at every partial acceptance, and MTP's tokens diverge from classic's. A
+    drafter whose drafts are rejected makes every round roll back its whole block."""
+    loaded = load(**ROLLBACK_PAIRS[pair], drafter="random")
+    runs = [(i, block) for i in (1, 2, 3) for block in (3, 4)]
+    wants = {i: _classic(loaded, PROMPTS[i], 48) for i in (1, 2, 3)}
+    assert all(_mtp(loaded, PROMPTS[i], 48, block) == wants[i] for i, block in runs)
     monkeypatch.setattr(target_mod, fault, lambda *a, **k: None)
-    diverged = any(_mtp(loaded, PROMPTS[i], 64, 3) != want for i, want in wants.items())
-    assert diverged, f"disabling {fault} went unnoticed"
+    assert not any(_rollback_equals_steps(loaded.target, n) for n in range(1, 4)), fault
+    diverged = [(i, b) for i, b in runs if _mtp(loaded, PROMPTS[i], 48, b) != wants[i]]
+    assert diverged, f"disabling {fault} went unnoticed by the tokens"
 
 
 def test_the_folded_conv_kernel_runs_every_gated_delta_layer(load, monkeypatch, pretend_gpu):

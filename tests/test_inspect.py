@@ -25,7 +25,8 @@ def test_standalone_drafter(ckpts, capsys):
     info = _inspect(ckpts.drafter(), capsys)
     assert info["model_type"] == "qwen3_5_mtp"
     assert info["layout"] == "standalone MLX drafter"
-    assert info["tensor_count"] == 15 and info["mtp_tensor_count"] == 0
+    assert info["tensor_count"] == 15 and info["mtp_tensor_count"] == 15  # all of it is the head
+    assert info["mtp_layout"].startswith("standalone")
     assert info["norm_shift"] == [] and info["drafter_ok"] is True
     assert info["block_size"] == 3
 
