@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -406,3 +407,20 @@ def test_gate_keys_the_pair_by_resolved_path(ctx, capsys):
     assert "(last run)" in json.loads(capsys.readouterr().out)["gate_reason"]
     data = json.loads((ctx.cache / "gate.json").read_text())
     assert list(data["acceptance"]) == [f"{ctx.t.resolve()}|{ctx.d.resolve()}"]
+
+
+def test_concurrent_processes_lose_no_entry(tmp_path):
+    """Two processes writing the cache at once: every entry of both survives (lock + re-read)."""
+    code = (
+        "import sys, time\nfrom pathlib import Path\n"
+        "from mtpcli.gate import Calibration, GateStore\n"
+        "time.sleep(max(0, float(sys.argv[3]) - time.time()))\n"  # start together
+        "for i in range(150):\n"
+        "    GateStore(Path(sys.argv[1])).put_calibration(f'{sys.argv[2]}-{i}', "
+        "Calibration(1.0, {3: 1.5}))\n"
+    )
+    path = tmp_path / "gate.json"
+    start = str(time.time() + 2)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path), w, start]) for w in "ab"]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    assert len(json.loads(path.read_text())["calibrations"]) == 300
