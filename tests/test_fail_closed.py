@@ -4,7 +4,9 @@ Typer's usage message) and its exit code, never a traceback, a hang, or garbage 
 One row per case: the command, the exit code, and a pattern its message must match. Each row
 names the guard it rests on (``guard``); removing that guard makes the row fail. Rows with a
 ``shell`` command run as a real process (redirections, signals, closed descriptors, files that
-would hang a reader); the rest run in this process through ``cli.run``.
+would hang a reader); the rest run in this process through ``cli.run``. Two cases live beside
+the code they break: two processes writing the gate cache at once (the end of this file) and
+the rollback mutations on dense and MoE pairs (``test_exactness.py``).
 """
 
 from __future__ import annotations
