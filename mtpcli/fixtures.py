@@ -352,11 +352,3 @@ def write_drafter(
     _save(out, dict(tree_flatten(module.parameters())), 1)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
-
-
-def write_pair(root: Path, *, moe: bool = False, predictable: float | None = 0.35, **kw):
-    """A target (mlx layout) + standalone drafter pair under ``root``; returns both paths."""
-    text = tiny_text_config(moe=moe)
-    target = write_target(Path(root) / "target", text, predictable=predictable, **kw)
-    drafter = write_drafter(Path(root) / "drafter", text, predictable=predictable)
-    return target, drafter

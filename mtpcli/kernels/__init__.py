@@ -31,18 +31,19 @@ COMPILE_CHOICES = ("on", "off")
 _state: dict = {"mode": None, "qmm": None, "compile": None, "verdicts": {}, "generation": 0}
 
 
-# Each switch: its flag (for messages), its environment variable, its values, its default.
+# Each switch: its flag (None: set by its environment variable alone), its environment
+# variable, its values, its default.
 _SWITCHES = {
     "mode": ("--kernels", "MTP_KERNELS", MODES, "auto"),
     "qmm": ("--qmm", "MTP_QMM", QMM_CHOICES, "auto"),
-    "compile": ("--compile", "MTP_COMPILE", COMPILE_CHOICES, "on"),
+    "compile": (None, "MTP_COMPILE", COMPILE_CHOICES, "on"),
 }
 
 
 def _set(switch: str, value: str | None, initial: bool = False) -> None:
-    flag, _, choices, _ = _SWITCHES[switch]
+    flag, env, choices, _ = _SWITCHES[switch]
     if value is not None and value not in choices:
-        raise UsageError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+        raise UsageError(f"{flag or env} must be one of {', '.join(choices)}, got {value!r}")
     _state[switch] = value
     if not initial:
         changed()
