@@ -186,7 +186,9 @@ def _ms(v) -> bool:
 
 
 def _valid_calibration(c) -> bool:
-    rounds = c.get("round_ms") if isinstance(c, dict) else None
+    if not isinstance(c, dict):
+        return False
+    rounds = c.get("round_ms")
     return (
         _ms(c.get("step_ms"))
         and isinstance(rounds, dict)

@@ -289,6 +289,7 @@ CASES = [
     Case("gate-version-only", PAIR, 0, r"dropped all invalid calibrations", "gate.GateStore._read", setup=_gate_cache(lambda d: [d.pop("calibrations"), d.pop("acceptance")]), check=_recalibrated),  # noqa: E501
     Case("gate-round-ms-zero", PAIR, 0, r"dropped 1 invalid calibrations", "gate._valid_calibration", setup=_gate_cache(_every("calibrations", "round_ms", 0)), check=_recalibrated),  # noqa: E501
     Case("gate-step-ms-1e9", PAIR, 0, r"dropped 1 invalid calibrations", "gate._valid_calibration", setup=_gate_cache(_every("calibrations", "step_ms", 1e9)), check=_recalibrated),  # noqa: E501
+    Case("gate-entry-not-object", PAIR, 0, r"dropped 1 invalid calibrations", "gate._valid_calibration", setup=_gate_cache(lambda d: d["calibrations"].update(dict.fromkeys(d["calibrations"], 5))), check=_recalibrated),  # noqa: E501
     Case("gate-acceptance-word", PAIR, 0, r"dropped 1 invalid acceptance", "gate._valid_acceptance", setup=_gate_cache(_every("acceptance", "value", "high"))),  # noqa: E501
     Case("gate-acceptance-nan", PAIR, 0, r"dropped 1 invalid acceptance", "gate._valid_acceptance", setup=_gate_cache(_every("acceptance", "value", float("nan")))),  # noqa: E501
     Case("gate-json-is-dir", PAIR, 0, r"gate cache .*: (unreadable|not written)", "gate.GateStore._update", setup=_gate_dir, check=_no_temp_files),  # noqa: E501
