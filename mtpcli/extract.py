@@ -11,7 +11,7 @@ from .config import TARGET_TYPES, load_config, read_json_object
 from .errors import BadCheckpointError, MtpError, OutputError, UsageError
 from .files import check_output_dir, written_dir
 from .loading import check_drafter
-from .weights import MTP_PREFIX, read_inventory, sanitize_drafter, weight_files
+from .weights import MTP_PREFIX, load_file, read_inventory, sanitize_drafter, weight_files
 
 
 def extract_drafter(src: Path, out: Path, block_size: int | None = None) -> Path:
@@ -27,11 +27,7 @@ def extract_drafter(src: Path, out: Path, block_size: int | None = None) -> Path
     tensors: dict[str, mx.array] = {}
     for f in weight_files(src):
         if any(inv[n].file == f.name for n in wanted):
-            try:
-                loaded = mx.load(str(f.resolve()))
-            except (RuntimeError, ValueError) as e:
-                raise BadCheckpointError(f"MLX cannot load {f}: {e}") from e
-            tensors.update({k: v for k, v in loaded.items() if k in wanted})
+            tensors.update({k: v for k, v in load_file(f).items() if k in wanted})
     raw = read_json_object(src / "config.json", "config.json")
     text = raw.get("text_config", {k: v for k, v in raw.items() if k != "model_type"})
     block = block_size or max(config.text.mtp_num_hidden_layers, 1) + 2

@@ -120,15 +120,20 @@ def read_inventory(model_dir: Path) -> dict[str, TensorInfo]:
     return inv
 
 
+def load_file(path: Path) -> dict[str, mx.array]:
+    """One safetensors file's tensors as (lazily loaded) MLX arrays."""
+    try:
+        return mx.load(str(path.resolve()))
+    except (RuntimeError, ValueError) as e:
+        raise BadCheckpointError(f"MLX cannot load {path}: {e}") from e
+
+
 def load_arrays(model_dir: Path) -> dict[str, mx.array]:
     """All tensors of a checkpoint as (lazily loaded) MLX arrays, after the header checks."""
     read_inventory(model_dir)
     weights: dict[str, mx.array] = {}
     for f in weight_files(model_dir):
-        try:
-            weights.update(mx.load(str(f.resolve())))
-        except (RuntimeError, ValueError) as e:
-            raise BadCheckpointError(f"MLX cannot load {f}: {e}") from e
+        weights.update(load_file(f))
     return weights
 
 

@@ -100,11 +100,14 @@ def check_room(target, prompt_tokens: int, max_tokens: int) -> None:
         )
 
 
-def check_finite(logits: mx.array) -> None:
-    """The first logits a generation reads must be numbers: NaN or Inf there means the
-    weights are broken, and decoding them would print garbage with a clean exit."""
+def first_logits(target, hidden: mx.array) -> mx.array:
+    """The logits [V] after the prefill's hidden states [1, L, H], checked to be numbers: NaN
+    or Inf there means the weights are broken, and decoding them would print garbage with a
+    clean exit."""
+    logits = target.lm_head(hidden[:, -1:])[0, -1]  # [V]
     if not mx.isfinite(logits).all().item():
         raise NonFiniteOutputError(
             "the target's logits at the first step are not finite (NaN or Inf): its weights "
             "are damaged or were converted wrongly; re-download or re-convert the checkpoint"
         )
+    return logits

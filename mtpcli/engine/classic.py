@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 
 import mlx.core as mx
 
-from . import GenerationStats, check_finite, check_room, prompt_array
+from . import GenerationStats, check_room, first_logits, prompt_array
 from .sampling import SamplingParams, pick
 
 
@@ -28,9 +28,7 @@ def generate_classic(
     cache = target.make_cache()
     start = time.perf_counter()
     hidden = target.prefill(tokens, cache)
-    logits = target.lm_head(hidden[:, -1:])[0, -1]  # [V]
-    check_finite(logits)
-    y = pick(logits, sampling)
+    y = pick(first_logits(target, hidden), sampling)
     mx.eval(y)
     stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
     start = time.perf_counter()

@@ -16,7 +16,7 @@ import mlx.core as mx
 from ..drafters import Drafter
 from ..errors import UsageError
 from ..models.qwen3_5 import Qwen35Target, cache_arrays, rollback
-from . import GenerationStats, MTPStats, check_finite, check_room, prompt_array
+from . import GenerationStats, MTPStats, check_room, first_logits, prompt_array
 from .sampling import SamplingParams, accept, greedy, pick, positions, probs
 
 
@@ -79,9 +79,7 @@ def generate_mtp(
     tcache, dcache = target.make_cache(), drafter.make_cache()
     start = time.perf_counter()
     hidden = target.prefill(tokens, tcache)  # [1, L, H]
-    logits = target.lm_head(hidden[:, -1:])[0, -1]  # [V]
-    check_finite(logits)
-    pending = int(pick(logits, sampling).item())
+    pending = int(pick(first_logits(target, hidden), sampling).item())
     stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
     start = time.perf_counter()
     # The drafter sees token j+1 with the target hidden at j.
