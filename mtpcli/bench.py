@@ -24,8 +24,8 @@ from .engine.mtp import draft, generate_mtp
 from .errors import PromptError, UsageError
 from .files import read_bounded
 from .kernels import backend as kernel_backend
-from .kernels.quantized_matmul import stock_layers
-from .models.qwen3_5 import cache_arrays
+from .models.quantized_layers import stock_layers
+from .options import Options
 
 DEFAULT_PROMPTS = [
     "Explain in detail how a transformer neural network works, covering attention, "
@@ -38,16 +38,6 @@ DEFAULT_PROMPTS = [
 def spread(values: list[float], count: bool = False) -> dict:
     out = {"median": statistics.median(values), "min": min(values), "max": max(values)}
     return out | {"n": len(values)} if count else out
-
-
-def parse_arm(text: str) -> tuple[str, dict[str, str]]:
-    """An A/B arm, 'name:VAR=value,VAR2=value' -> (name, {VAR: value, ...}); 'name' alone:
-    no changes (the scripts' ``--arm``)."""
-    name, _, settings = text.partition(":")
-    items = [item.partition("=") for item in settings.split(",") if item]
-    if not name or any(not k or not eq for k, eq, _ in items):
-        raise SystemExit(f"an arm is name:VAR=value[,VAR=value], got {text!r}")
-    return name, {k: v for k, _, v in items}
 
 
 def machine() -> dict:
@@ -122,7 +112,7 @@ def forward_cost(target, cache: list, T: int, verify: bool, repeats: int) -> dic
 
     def run():
         out = target.forward(x, cache, verify=verify)
-        mx.eval(target.lm_head(out.hidden, exact=verify), cache_arrays(cache))
+        mx.eval(target.lm_head(out.hidden, exact=verify), target.cache_arrays(cache))
         for c, s in zip(cache, saved, strict=True):
             if hasattr(c, "offset"):
                 c.offset = s
@@ -293,11 +283,6 @@ def compare(
                         ),
                     )
             _merge(arm, per_prompt)
-            if key == "mlx_lm" and rep + 1 < repeats:
-                # The peer ran on MLX's own layer classes, which drops our compiled layer
-                # functions: rebuild them untimed, as the first warm-up did.
-                progress(f"repeat {rep + 1}/{repeats}: warm-up after the peer")
-                _warm_up(target, drafter, prompts, blocks, 8, None)
     result = {k: a.summary() for k, a in arms.items()}
     classic_tokens = arms["classic"].tokens[: len(prompts)]
     for key, arm in arms.items():
@@ -553,3 +538,90 @@ def markdown(doc: dict) -> str:
                 f"| {T} | {cell(v)} | {cell(table['prefill_ms'][T])} | {table['ratio'][T]:.2f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _prompt_ids(texts: list[str], tokenizer) -> list[list[int]]:
+    if tokenizer is not None:
+        return [tokenizer.encode(t) for t in texts]
+    # random weights know no tokenizer: fixed pseudo-random ids of the same lengths
+    return [[(i * 7919 + 13 * j) % 1000 + 1 for j in range(len(t) // 4 + 1)]
+            for i, t in enumerate(texts)]  # fmt: skip
+
+
+def run(
+    model: str | None = None,
+    draft_model: str | None = None,
+    *,
+    synthetic: str | None = None,
+    bits: int = 4,
+    blocks: list[int] = (3,),  # type: ignore[assignment]
+    repeats: int = 5,
+    max_tokens: int = 256,
+    prompts_file: Path | None = None,
+    simulate: float | None = None,
+    peers: bool = False,
+    verify_table: bool = True,
+    options: Options = Options(),
+    command: str = "",
+    progress: Callable[[str], None] = lambda msg: None,
+) -> dict:
+    """The whole ``mtp bench``: load (the built-in example without ``model``; random weights of
+    a real shape with ``synthetic``), run the arms and peers, the verify-cost table and the
+    gate's check; returns the report's document (``markdown`` renders it)."""
+    from . import synthetic as S
+    from .config import check_block_size
+    from .example import ensure_example, example_prompts
+    from .loading import load_pair
+
+    for b in blocks:
+        check_block_size(b, "--block-size")
+    if simulate is not None and not 0 <= simulate <= 1:
+        raise UsageError(f"--simulate-acceptance must be in [0, 1], got {simulate}")
+    texts = read_prompts(prompts_file) if prompts_file is not None else None
+    load_before = os.getloadavg()
+    on_example = model is None and not synthetic
+    if synthetic:
+        if synthetic not in S.SHAPES:
+            raise UsageError(f"--synthetic must be one of {', '.join(S.SHAPES)}, got {synthetic!r}")
+        if bits not in (4, 8, 16):
+            raise UsageError(f"--bits must be 4, 8 or 16, got {bits}")
+        target, drafter = S.build(synthetic, bits=None if bits == 16 else bits, options=options)
+        tokenizer, label = None, f"synthetic {synthetic} {bits}-bit (random weights)"
+    else:
+        label = model or "built-in example (1M parameters, trained on Python's stdlib)"
+        if on_example:
+            t, d = ensure_example()
+            model, draft_model = str(t), draft_model or str(d)
+        loaded = load_pair(model, draft_model, "mtp", options)
+        target, drafter, tokenizer = loaded.target, loaded.drafter, loaded.tokenizer
+    vlm, peer_notes = None, []
+    if peers:
+        if synthetic:
+            peer_notes.append("mlx-vlm: not run (it loads checkpoints from disk: write this pair "
+                              "with scripts/write_synthetic.py and pass -m)")  # fmt: skip
+        elif not MlxVlmPeer.available():
+            peer_notes.append("mlx-vlm: not installed, not run")
+        else:
+            try:
+                vlm = MlxVlmPeer(loaded.target_dir, loaded.drafter_dir)
+            except Exception as e:  # a peer that cannot load this pair is a note, not a stop
+                peer_notes.append(f"mlx-vlm: could not load this pair ({type(e).__name__}: {e})")
+    if texts is None:
+        texts = example_prompts()[:3] if on_example else DEFAULT_PROMPTS
+    prompts = _prompt_ids(texts, tokenizer)
+    result = compare(target, drafter, prompts, blocks=list(blocks), max_tokens=max_tokens,
+                     repeats=repeats, simulate=simulate, peers=peers, vlm=vlm,
+                     progress=progress)  # fmt: skip
+    progress("verify-cost table")
+    table = verify_cost_table(target, prompts[0], max(3, repeats)) if verify_table else None
+    progress("gate calibration")
+    gate_doc = gate_check(target, drafter, result, list(blocks), repeats)
+    info = machine() | {"load_before": load_before, "load_after": os.getloadavg()}
+    settings = {
+        "command": command, "model": label, "blocks": list(blocks), "repeats": repeats,
+        "max_tokens": max_tokens, "prompts": len(prompts), "simulate_acceptance": simulate,
+        "peers": peers, "kernels": options.kernels,
+        "qmm": ("ours" if options.ours else "mlx") + (" (auto)" if options.qmm == "auto" else ""),
+        "submit_every": target.submit_every, "peer_notes": peer_notes,
+    }  # fmt: skip
+    return to_json(result, table, info, settings, gate_doc)

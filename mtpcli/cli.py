@@ -91,32 +91,6 @@ def _print_stats(stats, draft_kind: str) -> None:
         )
 
 
-def _stats_json(stats) -> dict:
-    r = stats.mtp
-    out = {
-        "prompt_tokens": stats.prompt_tokens,
-        "prompt_tps": stats.prompt_tps,
-        "generation_tokens": stats.generation_tokens,
-        "generation_tps": stats.generation_tps,
-        "peak_memory_gb": stats.peak_memory_gb,
-        "acceptance_rate": r.acceptance_rate if r else 0.0,
-        "rounds": r.rounds if r else 0,
-    }
-    if r:
-        out |= {
-            "drafted": r.drafted,
-            "accepted": r.accepted,
-            "acceptance_by_position": r.acceptance_by_position,
-            "accept_histogram": r.accept_histogram,
-            "tokens_per_verify": r.tokens_per_verify,
-            "draft_ms": r.draft_s * 1000,
-            "verify_ms": r.verify_s * 1000,
-            "verify_build_ms": r.verify_build_s * 1000,
-            "rollback_ms": r.rollback_s * 1000,
-        }
-    return out
-
-
 @app.command()
 @_interruptible
 def generate(
@@ -169,86 +143,50 @@ def generate(
     ),  # fmt: skip
 ) -> None:
     """Generate text, with MTP speculative decoding when a drafter is given."""
-    import mlx.core as mx
-
-    from . import gate
-    from .engine import GenerationStats
-    from .engine.classic import generate_classic
-    from .engine.mtp import generate_mtp
+    from .config import check_block_size
+    from .engine.run import generate as run_generate
     from .engine.sampling import SamplingParams
     from .example import NOTE, ensure_example
-    from .kernels import set_mode, set_qmm
     from .loading import load_pair
-    from .tokenizer import encode_prompt
+    from .options import Options
 
-    set_mode(kernels)
-    set_qmm(qmm)
+    options = Options(kernels=kernels, qmm=qmm)
     sampling = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    if draft_block_size is not None and not 2 <= draft_block_size <= 16:
-        raise UsageError(f"--draft-block-size must be in [2, 16], got {draft_block_size}")
+    if draft_block_size is not None:
+        check_block_size(draft_block_size, "--draft-block-size")
     if model is None:
         target_dir, example_drafter = ensure_example()
         model, draft_model = str(target_dir), draft_model or str(example_drafter)
         err.print(f"[yellow]{NOTE}[/yellow]")
     if draft_block_size is not None and draft_model is None:
         raise UsageError("--draft-block-size needs --draft-model (a qwen3_5_mtp drafter)")
-    loaded = load_pair(model, draft_model, draft_kind)
+    loaded = load_pair(model, draft_model, draft_kind, options)
     text = _read_prompt(prompt)
-    ids = encode_prompt(loaded.tokenizer, text, system_prompt, ignore_chat_template)
-    eos = set(loaded.tokenizer.eos_token_ids) | set(loaded.target.config.eos_token_ids)
-    if seed is not None:
-        mx.random.seed(seed)
-    stats = GenerationStats()
-    block, decision, pair = None, None, None
-    if loaded.draft_kind == "mtp":
-        pair = loaded.pair_key
-        decision = gate.gate(
-            loaded.target, loaded.drafter, draft_block_size or loaded.drafter.block_size, pair,
-            forced=draft_kind == "mtp", adapt=draft_block_size is None, note=_note,
-        )  # fmt: skip
-        block = decision.block
-        if verbose or not decision.engaged:
-            err.print(f"[dim]MTP gate: {decision.reason}[/dim]")
-    if decision is not None and decision.engaged:
-        tokens = generate_mtp(
-            loaded.target, loaded.drafter, ids, block_size=block, max_tokens=max_tokens,
-            sampling=sampling, eos_ids=eos, stats=stats,
-        )  # fmt: skip
-    else:
-        tokens = generate_classic(
-            loaded.target, ids, max_tokens=max_tokens, sampling=sampling, eos_ids=eos, stats=stats
-        )
     if verbose:
         err.print(
             f"target {loaded.target_dir}; drafter {loaded.drafter_dir}; kind {loaded.draft_kind}"
         )
-    detok = loaded.tokenizer.detokenizer
-    detok.reset()
-    out_ids = []
-    for t in tokens:
-        out_ids.append(t)
-        detok.add_token(t)
+
+    def stream(segment: str) -> None:
         if not as_json:
-            sys.stdout.write(detok.last_segment)  # reading it advances the detokenizer
+            sys.stdout.write(segment)
             sys.stdout.flush()
-    detok.finalize()
-    if decision is not None and decision.engaged:
-        gate.remember(pair, stats.mtp, note=_note)
+
+    def decided(decision) -> None:
+        if verbose or not decision.engaged:
+            err.print(f"[dim]MTP gate: {decision.reason}[/dim]")
+
+    result = run_generate(
+        loaded, text, max_tokens=max_tokens, sampling=sampling, block_size=draft_block_size,
+        force_mtp=draft_kind == "mtp", system_prompt=system_prompt,
+        chat_template=not ignore_chat_template, seed=seed, on_text=stream, note=_note,
+        on_decision=decided,
+    )  # fmt: skip
     if as_json:
-        doc = {
-            "text": detok.text,
-            "tokens": out_ids,
-            "draft_kind": loaded.draft_kind,
-            "block_size": block,
-            "mtp_engaged": bool(decision and decision.engaged),
-            "gate_reason": decision.reason if decision else None,
-            "expected_speedup": decision.expected_speedup if decision else None,
-            "stats": _stats_json(stats),
-        }
-        sys.stdout.write(json.dumps(doc) + "\n")
+        sys.stdout.write(json.dumps(result.as_dict()) + "\n")
     else:
-        sys.stdout.write(detok.last_segment + "\n")
-        _print_stats(stats, loaded.draft_kind)
+        sys.stdout.write("\n")
+        _print_stats(result.stats, loaded.draft_kind)
 
 
 @app.command("inspect-weights")
@@ -292,11 +230,12 @@ def extract_drafter_cmd(
     ),
 ) -> None:
     """Split the MTP head of a raw checkpoint into a standalone qwen3_5_mtp drafter."""
+    from .config import check_block_size
     from .extract import extract_drafter
     from .loading import resolve_path
 
-    if block_size is not None and not 2 <= block_size <= 16:
-        raise UsageError(f"--block-size must be in [2, 16], got {block_size}")
+    if block_size is not None:
+        check_block_size(block_size, "--block-size")
     written = extract_drafter(resolve_path(str(src), "checkpoint"), out, block_size)
     err.print(f"wrote drafter to {written}")
 
@@ -345,64 +284,15 @@ def bench(
     ),
 ) -> None:
     """Classic vs MTP decoding side by side, with the verify-cost table (medians, min-max)."""
-    import os as _os
-
     from rich.progress import Progress
 
     from . import bench as B
-    from .example import NOTE, ensure_example, example_prompts
-    from .kernels import qmm as resolved_qmm
-    from .kernels import set_mode, set_qmm
-    from .loading import load_pair
+    from .example import NOTE
+    from .options import Options
 
-    set_mode(kernels)
-    set_qmm(qmm)
-
-    for b in block_size:
-        if not 2 <= b <= 16:
-            raise UsageError(f"--block-size must be in [2, 16], got {b}")
-    if simulate_acceptance is not None and not 0 <= simulate_acceptance <= 1:
-        raise UsageError(f"--simulate-acceptance must be in [0, 1], got {simulate_acceptance}")
-    read_texts = B.read_prompts(prompts_file) if prompts_file is not None else None
-    load_before = _os.getloadavg()
-    on_example = model is None and not synthetic
-    if synthetic:
-        from . import synthetic as S
-
-        if synthetic not in S.SHAPES:
-            raise UsageError(f"--synthetic must be one of {', '.join(S.SHAPES)}, got {synthetic!r}")
-        if bits not in (4, 8, 16):
-            raise UsageError(f"--bits must be 4, 8 or 16, got {bits}")
-        target, drafter = S.build(synthetic, bits=None if bits == 16 else bits)
-        tokenizer, label = None, f"synthetic {synthetic} {bits}-bit (random weights)"
-    else:
-        label = model or "built-in example (1M parameters, trained on Python's stdlib)"
-        if on_example:
-            t, d = ensure_example()
-            model, draft_model = str(t), draft_model or str(d)
-            err.print(f"[yellow]{NOTE}[/yellow]")
-        loaded = load_pair(model, draft_model, "mtp")
-        target, drafter, tokenizer = loaded.target, loaded.drafter, loaded.tokenizer
-    vlm, peer_notes = None, []
-    if peers:
-        if synthetic:
-            peer_notes.append("mlx-vlm: not run (it loads checkpoints from disk: write this pair "
-                              "with scripts/write_synthetic.py and pass -m)")  # fmt: skip
-        elif not B.MlxVlmPeer.available():
-            peer_notes.append("mlx-vlm: not installed, not run")
-        else:
-            try:
-                vlm = B.MlxVlmPeer(loaded.target_dir, loaded.drafter_dir)
-            except Exception as e:  # a peer that cannot load this pair is a note, not a stop
-                peer_notes.append(f"mlx-vlm: could not load this pair ({type(e).__name__}: {e})")
-    texts = example_prompts()[:3] if on_example else B.DEFAULT_PROMPTS
-    if read_texts is not None:
-        texts = read_texts
-    if tokenizer is not None:
-        prompts = [tokenizer.encode(t) for t in texts]
-    else:  # random weights know no tokenizer: fixed pseudo-random ids of the same lengths
-        prompts = [[(i * 7919 + 13 * j) % 1000 + 1 for j in range(len(t) // 4 + 1)]
-                   for i, t in enumerate(texts)]  # fmt: skip
+    options = Options(kernels=kernels, qmm=qmm)
+    if model is None and not synthetic:
+        err.print(f"[yellow]{NOTE}[/yellow]")
     t0 = time.perf_counter()
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("bench", total=None)
@@ -412,24 +302,13 @@ def bench(
             if not err.is_terminal:  # logs of long runs show how far they got
                 err.print(f"[{time.perf_counter() - t0:7.1f}s] {msg}")
 
-        result = B.compare(
-            target, drafter, prompts, blocks=block_size, max_tokens=max_tokens, repeats=repeats,
-            simulate=simulate_acceptance, peers=peers, vlm=vlm, progress=progress,
+        doc = B.run(
+            model, draft_model, synthetic=synthetic, bits=bits, blocks=block_size,
+            repeats=repeats, max_tokens=max_tokens, prompts_file=prompts_file,
+            simulate=simulate_acceptance, peers=peers, verify_table=verify_table,
+            options=options, command="mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            progress=progress,
         )  # fmt: skip
-        progress("verify-cost table")
-        table = B.verify_cost_table(target, prompts[0], max(3, repeats)) if verify_table else None
-        progress("gate calibration")
-        gate_doc = B.gate_check(target, drafter, result, block_size, repeats)
-    info = B.machine() | {"load_before": load_before, "load_after": _os.getloadavg()}
-    settings = {
-        "command": "mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "model": label, "blocks": block_size, "repeats": repeats, "max_tokens": max_tokens,
-        "prompts": len(prompts), "simulate_acceptance": simulate_acceptance, "peers": peers,
-        "kernels": kernels, "qmm": resolved_qmm() + (" (auto)" if qmm == "auto" else ""),
-        "submit_every": target.submit_every,
-        "peer_notes": peer_notes,
-    }  # fmt: skip
-    doc = B.to_json(result, table, info, settings, gate_doc)
     markdown = B.markdown(doc)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

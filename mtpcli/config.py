@@ -13,8 +13,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import BadConfigError, ConfigOutOfBoundsError, UnsupportedModelTypeError
+from .errors import BadConfigError, ConfigOutOfBoundsError, UnsupportedModelTypeError, UsageError
 from .files import read_bounded
+
+# A round's tokens, pending token included: a drafter's ``block_size`` and every block size a
+# user asks for.
+BLOCK_MIN, BLOCK_MAX = 2, 16
+
+
+def check_block_size(value: int, what: str = "block size") -> int:
+    """``value`` if it is a block size we run, else a usage error naming ``what`` (a flag)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not BLOCK_MIN <= value <= BLOCK_MAX:
+        raise UsageError(f"{what} must be in [{BLOCK_MIN}, {BLOCK_MAX}], got {value!r}")
+    return value
+
 
 # model_type -> what it is, for targets and drafters.
 TARGET_TYPES = ("qwen3_5", "qwen3_5_moe")
@@ -281,7 +293,7 @@ def load_config(model_dir: Path) -> ModelConfig:
     block_size = None
     if model_type in DRAFTER_TYPES:
         default = max(text.mtp_num_hidden_layers, 1) + 2
-        block_size = _int(d, "block_size", 2, 16, default)
+        block_size = _int(d, "block_size", BLOCK_MIN, BLOCK_MAX, default)
     quant = _quantization(d)
     return ModelConfig(
         model_type=model_type,

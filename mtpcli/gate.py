@@ -33,6 +33,7 @@ from . import kernels
 from .engine import MTPStats
 from .errors import MtpError
 from .files import read_bounded
+from .options import Options
 
 PRIOR_ACCEPTANCE = 0.6
 # Predictions came within about 5% of the measured speedups on the CPU example
@@ -99,14 +100,15 @@ def acceptance_estimate(stats: MTPStats) -> float | None:
     return stats.accepted / n if n else None
 
 
-def machine_key() -> str:
+def machine_key(options: Options) -> str:
     """What the costs depend on besides the model: host, device, MLX, kernel choices."""
     try:
         device = mx.device_info().get("device_name", "")
     except (AttributeError, RuntimeError):
         device = ""
     return "|".join([platform.node(), platform.machine(), kernels.backend(), str(device),
-                     mx.__version__, kernels.mode(), kernels.qmm()])  # fmt: skip
+                     mx.__version__, options.kernels,
+                     "ours" if options.ours else "mlx"])  # fmt: skip
 
 
 def shape_key(target, drafter) -> str:
@@ -324,7 +326,7 @@ def gate(
         return GateDecision(True, block, "forced by --draft-kind mtp", None)
     blocks = sorted({block, *ADAPT_BLOCKS}) if adapt else [block]
     st = store()
-    key = machine_key() + "#" + shape_key(target, drafter)
+    key = machine_key(target.options) + "#" + shape_key(target, drafter)
     cal = st.calibration(key, blocks)
     seen = None
     if cal is None:

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .config import DRAFTER_TYPES, TARGET_TYPES, ModelConfig, load_config, read_json_object
-from .drafters import DRAFTER_KINDS
+from .drafters import DRAFTER_KINDS, Drafter
 from .errors import (
     DrafterMismatchError,
     ModelNotFoundError,
@@ -25,6 +26,8 @@ from .errors import (
     UsageError,
 )
 from .files import readable_dir
+from .models import Target
+from .options import Options
 from .tokenizer import load_tokenizer
 from .weights import (
     MTP_PREFIX,
@@ -158,12 +161,16 @@ def check_drafter(drafter_dir: Path, target: ModelConfig | None = None) -> Model
 
 @dataclass
 class Loaded:
-    target: object  # Qwen35Target
-    drafter: object | None  # Qwen35MTPDrafter
-    tokenizer: object
-    draft_kind: str
+    """A target, its drafter (None without one, or with ``--draft-kind none``) and tokenizer,
+    loaded under ``options``."""
+
+    target: Target
+    drafter: Drafter | None
+    tokenizer: TokenizerWrapper
+    draft_kind: str  # "mtp" or "none"
     target_dir: Path
     drafter_dir: Path | None
+    options: Options = Options()
 
     @property
     def pair_key(self) -> str:
@@ -173,8 +180,10 @@ class Loaded:
         return f"{self.target_dir.resolve()}|{drafter}"
 
 
-def load_pair(model: str, draft_model: str | None, draft_kind: str = "auto") -> Loaded:
-    """Resolve, gate and load a target (+ drafter). Nothing is allocated before the checks pass."""
+def load_pair(model: str, draft_model: str | None = None, draft_kind: str = "auto",
+              options: Options = Options()) -> Loaded:  # fmt: skip
+    """Resolve, gate and load a target (+ drafter): local directories or Hugging Face repo ids;
+    ``draft_kind`` auto, mtp or none. Nothing is allocated before the checks pass."""
     from .drafters.qwen3_5_mtp import load_drafter
     from .models.qwen3_5 import load_target
 
@@ -196,6 +205,6 @@ def load_pair(model: str, draft_model: str | None, draft_kind: str = "auto") -> 
     kind = resolve_draft_kind(draft_kind, drafter_type, tcfg.model_type)
     dcfg = check_drafter(drafter_dir, tcfg) if kind == "mtp" else None
     tokenizer = load_tokenizer(target_dir, tcfg.eos_token_ids, tcfg.text.vocab_size)
-    target = load_target(target_dir, tcfg)
-    drafter = load_drafter(drafter_dir, dcfg, target.embed_tokens) if dcfg else None
-    return Loaded(target, drafter, tokenizer, kind, target_dir, drafter_dir)
+    target = load_target(target_dir, tcfg, options)
+    drafter = load_drafter(drafter_dir, dcfg, target.embed_tokens, options) if dcfg else None
+    return Loaded(target, drafter, tokenizer, kind, target_dir, drafter_dir, options)

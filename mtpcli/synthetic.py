@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from .config import ModelConfig, TextConfig
 from .drafters.qwen3_5_mtp import Qwen35MTP, Qwen35MTPDrafter
 from .models.qwen3_5 import Qwen35Target, build_model
+from .options import Options
 from .weights import cpu_expert_upcast
 
 SHAPES: dict[str, dict] = {
@@ -104,7 +105,8 @@ def _text(name: str) -> tuple[str, dict]:
     return family, dict(SHAPES[name], model_type=f"{family}_text", max_position_embeddings=262144)
 
 
-def build(name: str, bits: int | None = 4, group_size: int = 64, seed: int = 0):
+def build(name: str, bits: int | None = 4, group_size: int = 64, seed: int = 0,
+          options: Options = Options()):  # fmt: skip
     """A (target, drafter) pair of shape ``name`` with random weights; bits None = bf16."""
     family, text = _text(name)
     mx.random.seed(seed)  # the parameters _randomize keeps (A_log) come from module init
@@ -118,12 +120,12 @@ def build(name: str, bits: int | None = 4, group_size: int = 64, seed: int = 0):
                     and not path.endswith("gate"))  # fmt: skip
     _randomize(model, bits, seed)
     cpu_expert_upcast(model)
-    target = Qwen35Target(model, cfg)
+    target = Qwen35Target(model, cfg, options)
     dcfg = ModelConfig("qwen3_5_mtp", cfg.text, None, (), 3, True)
     module = Qwen35MTP(dcfg)
     _randomize(module, None, seed + 1)
     cpu_expert_upcast(module)
-    return target, Qwen35MTPDrafter(module, dcfg, target.embed_tokens)
+    return target, Qwen35MTPDrafter(module, dcfg, target.embed_tokens, options)
 
 
 def write(name: str, root: Path, bits: int | None = 4, group_size: int = 64, seed: int = 0):

@@ -40,6 +40,7 @@ import mlx.core as mx
 
 from mtpcli import kernels
 from mtpcli.bench import timed_ms
+from mtpcli.kernels import qmm_kernel as qmk
 from mtpcli.kernels import quantized_matmul as qm
 
 LAYERS = {  # name: (K, N) of the Qwen3.8-27B shape
@@ -109,7 +110,7 @@ def arms(names: list[str]) -> dict:
             out[name] = qm.quantized_matmul_ops
             continue
         warps, _, blocks = name.partition("x")
-        out[name] = partial(qm.quantized_matmul_native, warps=int(warps),
+        out[name] = partial(qmk.launch, warps=int(warps),
                             min_blocks=int(blocks) if blocks else None)  # fmt: skip
     return out
 
@@ -307,7 +308,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--name", default=None)
-    ap.add_argument("--arms", nargs="+", default=[str(qm.WARPS), "mlx"],
+    ap.add_argument("--arms", nargs="+", default=[str(qmk.WARPS), "mlx"],
                     help="W (ours, W warps), WxB (launch bounds for B blocks), mlx")  # fmt: skip
     ap.add_argument("--ms", type=int, nargs="+", default=list(range(1, 9)))
     ap.add_argument("--launches-only", action="store_true")

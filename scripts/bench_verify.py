@@ -13,6 +13,8 @@ with min-max. Writes <out>/<name>.json and .md.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import gc
 import itertools
 import json
@@ -23,24 +25,22 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from mtpcli import kernels, synthetic
+from mtpcli import synthetic
 from mtpcli.bench import forward_cost
 from mtpcli.bench import timed_ms as timed
 from mtpcli.engine.classic import generate_classic
 from mtpcli.kernels import conv_window as cw
-from mtpcli.kernels import decode_attention as da
 from mtpcli.kernels import gated_delta as gd
-from mtpcli.kernels import gated_norm as gn
-from mtpcli.kernels import quantized_matmul as qm
-from mtpcli.kernels.quantized_matmul import stock_layers
 from mtpcli.models import qwen3_5 as tm
+from mtpcli.models.quantized_layers import stock_layers
+from mtpcli.options import QMM_CHOICES, Options
 
 TS = (1, 2, 3, 4, 8)
 
@@ -145,7 +145,8 @@ def leave_out(target, cache, T: int, repeats: int, what: str) -> dict:
     if what == "gated_delta":  # with its convolution, which the gated-delta kernel makes
         original, name = tm.gated_delta_conv, "gated_delta_conv"
 
-        def stub(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, *, keep_states=False):
+        def stub(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, *, keep_states=False,
+                 mode="auto"):  # fmt: skip
             B, T, _ = qkv.shape
             y = mx.zeros((B, T, heads[2], heads[3]), qkv.dtype)  # [B, T, Hv, Dv]
             kept = (T - 1, *state.shape)  # the state after each position but the last
@@ -155,18 +156,18 @@ def leave_out(target, cache, T: int, repeats: int, what: str) -> dict:
     else:
         original, name = tm.attention_core, "attention_core"
 
-        def stub(m, q, k, v, gate, mask, c):
+        def stub(m, q, k, v, gate, mask, c, mode="auto"):
             B, L, Hkv, D = k.shape
             c.update_and_fetch(*(mx.zeros((B, Hkv, L, D), k.dtype),) * 2)
             return mx.zeros((B, L, q.shape[2] * D), q.dtype)
 
     setattr(tm, name, stub)
-    kernels.changed()  # retrace the compiled layer functions with the stub, and after
+    target.functions = tm.LayerFunctions(target.options.compile)  # traced with the stub
     try:
         return forward_cost(target, cache, T, True, repeats)
     finally:
         setattr(tm, name, original)
-        kernels.changed()
+        target.functions = tm.LayerFunctions(target.options.compile)
 
 
 def matmul_costs(target, T: int, repeats: int, rowwise: bool) -> dict:
@@ -225,23 +226,21 @@ def row_invariance(bits) -> dict:
     return out
 
 
-@contextmanager
-def _compile(choice: str) -> Iterator[None]:
-    before = "on" if kernels.compile_enabled() else "off"
-    kernels.set_compile(choice)
-    try:
-        yield
-    finally:
-        kernels.set_compile(before)
+def eager(target):
+    """``target`` (the same layers, fused products and row policy) run op by op."""
+    out = copy.copy(target)
+    out.options = dataclasses.replace(target.options, compile=False)
+    out.functions = tm.LayerFunctions(False)
+    return out
 
 
 def decode_arms(target) -> dict[str, tuple[Callable, Callable]]:
     """``classic_tps``'s arms: name -> (the setting held over its warm-up and repeats, a run
-    that returns (tok/s, token intervals)). Every setting names attributes that exist now
-    (``_patched`` checks), so an arm whose switch was renamed fails here, not mid-run."""
+    that returns (tok/s, token intervals)). An arm of ours is a target on the same weights
+    under other options (the kernel mode stays: the shared layers hold it)."""
     from mlx_lm.generate import generate_step
 
-    unfused = tm.Qwen35Target(target.model, target.config, fuse=False)
+    unfused = tm.Qwen35Target(target.model, target.config, target.options, fuse=False)
 
     def rate(gen):
         """tok/s after the first token, and the token intervals' spread (ms): whether a slow
@@ -264,33 +263,13 @@ def decode_arms(target) -> dict[str, tuple[Callable, Callable]]:
     return {
         "ours": (nullcontext, ours(target)),
         "ours_no_gc": (_no_gc, ours(target)),
-        "ours_conv_apart": (_patched(gd, FUSE_CONV=False), ours(target)),
-        "ours_conv_ops": (_patched(gd, FUSE_CONV=False, conv_silu=cw.conv_silu_ops),
-                          ours(target)),
-        "ours_gate_folded": (_patched(qm, FUSE_GATE=True), ours(target)),
-        "ours_gated_norm_ops": (
-            _patched(qm, FUSE_GATE=False, gated_norm_in_place=_gated_norm_in_place_ops),
-            ours(target)),
-        "ours_attention_ops": (_patched(tm, decode_attention=da.decode_attention_ops),
-                               ours(target)),
-        "ours_residual_apart": (_patched(qm, FUSE_RESIDUAL=False), ours(target)),
-        "ours_norm_swiglu_apart": (_patched(qm, FUSE_NORM=False, FUSE_SWIGLU=False),
-                                   ours(target)),
-        "ours_norm_apart": (_patched(qm, FUSE_NORM=False), ours(target)),
-        "ours_norm_begun": (_patched(qm, BEGIN_NORMS=True), ours(target)),
-        "ours_swiglu_apart": (_patched(qm, FUSE_SWIGLU=False), ours(target)),
-        "ours_eager": (lambda: _compile("off"), ours(target)),
+        "ours_eager": (nullcontext, ours(eager(target))),
         "ours_unfused": (nullcontext, ours(unfused)),
-        "ours_mlx_qmm": (lambda: stock_layers(unfused.model), ours(unfused)),
-        "ours_mlx_qmm_eager": (
-            lambda: _both(stock_layers(unfused.model), _compile("off")), ours(unfused)),
+        "ours_mlx_qmm": (lambda: stock_layers(target.model), ours(unfused)),
+        "ours_mlx_qmm_eager": (lambda: stock_layers(target.model),
+                               ours(eager(unfused))),
         "mlx_lm": (lambda: stock_layers(target.model), mlx_lm),
     }  # fmt: skip
-
-
-def _gated_norm_in_place_ops(y, source, offset, weight, eps):
-    """``gated_norm_in_place``'s ops reference: the norm and gate as mlx-lm's ops."""
-    return gn.on_view(gn.gated_norm_ops, y, source, offset, weight, eps)
 
 
 def classic_tps(target, prompt, n: int, repeats: int, names: list[str] | None = None) -> dict:
@@ -327,35 +306,6 @@ def _no_gc() -> Iterator[None]:
         yield
     finally:
         gc.enable()
-
-
-def _patched(module, **values) -> Callable[[], AbstractContextManager[None]]:
-    """A setting that gives ``module``'s attributes ``values`` over an arm's runs: one of our
-    kernels' functions replaced by its ops reference, or a fusion switch turned off."""
-    missing = [name for name in values if not hasattr(module, name)]
-    if missing:  # a renamed switch would otherwise fail only when its arm's turn came
-        raise AttributeError(f"{module.__name__} has no {', '.join(missing)}")
-
-    @contextmanager
-    def setting() -> Iterator[None]:
-        originals = {name: getattr(module, name) for name in values}
-        for name, value in values.items():
-            setattr(module, name, value)
-        kernels.changed()  # retrace the compiled layer functions, and after
-        try:
-            yield
-        finally:
-            for name, value in originals.items():
-                setattr(module, name, value)
-            kernels.changed()
-
-    return setting
-
-
-@contextmanager
-def _both(a, b) -> Iterator[None]:
-    with a, b:
-        yield
 
 
 def graph_build_ms(target, cache, repeats: int, T: int = 1) -> dict:
@@ -400,11 +350,11 @@ def main() -> None:
     ap.add_argument(
         "--qmm",
         default="auto",
-        choices=kernels.QMM_CHOICES,
+        choices=QMM_CHOICES,
         help="the target's quantized matmul (the decode arms cover MLX's as well)",
     )
     args = ap.parse_args()
-    kernels.set_qmm(args.qmm)
+    options = Options(qmm=args.qmm)
 
     load_before = os.getloadavg()
 
@@ -439,15 +389,16 @@ def main() -> None:
         return
     t0 = time.time()
     bits = None if args.bits == 16 else args.bits
-    target, _ = synthetic.build(args.shape, bits=bits)
+    target, _ = synthetic.build(args.shape, bits=bits, options=options)
     print(f"built {args.shape} {args.bits}-bit in {time.time() - t0:.1f}s", flush=True)
     prompt = mx.random.randint(0, 1000, (1, args.prompt_tokens))
     cache = target.make_cache()
     target.prefill(prompt, cache)
     mx.eval(tm.cache_arrays(cache))
     res: dict = {
-        "device": _device(), "shape": args.shape, "bits": args.bits, "kernels": kernels.mode(),
-        "qmm": kernels.qmm(), "env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")},
+        "device": _device(), "shape": args.shape, "bits": args.bits,
+        "options": options.describe(),
+        "env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")},
         "prompt_tokens": args.prompt_tokens,
         "mlx": mx.__version__, "python": platform.python_version(),
     }  # fmt: skip
@@ -489,11 +440,11 @@ def main() -> None:
         res["breakdown_ms"] = {}
         # Op by op (not compiled): leaving a part out of a compiled layer function would time
         # a retrace, and fusion would blur the parts.
+        op_by_op = eager(target)
         for T in (1, 3, 4):
-            with _compile("off"):
-                total = forward_cost(target, cache, T, True, args.repeats)["median"]
-                no_gd = leave_out(target, cache, T, args.repeats, "gated_delta")["median"]
-                no_attn = leave_out(target, cache, T, args.repeats, "attention")["median"]
+            total = forward_cost(op_by_op, cache, T, True, args.repeats)["median"]
+            no_gd = leave_out(op_by_op, cache, T, args.repeats, "gated_delta")["median"]
+            no_attn = leave_out(op_by_op, cache, T, args.repeats, "attention")["median"]
             mm = matmul_costs(target, T, args.repeats, True)["median"]
             mm_batched = matmul_costs(target, T, args.repeats, False)["median"]
             res["breakdown_ms"][T] = {
@@ -564,7 +515,7 @@ def _markdown(res: dict, args) -> str:
     lines = [
         f"# Verify cost: {res['shape']}, {res['bits']}-bit, random weights",
         "",
-        f"Device: {res['device']}; MLX {res['mlx']}; kernels {res['kernels']}; "
+        f"Device: {res['device']}; MLX {res['mlx']}; {res['options']}; "
         f"load before/after "
         f"{tuple(round(x, 2) for x in res['load_before'])} / "
         f"{tuple(round(x, 2) for x in res['load_after'])}.",

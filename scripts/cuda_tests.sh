@@ -6,7 +6,7 @@
 #   bash scripts/cuda_tests.sh [SECONDS_PER_FILE] [FILE ...]     # logs under ${OUT:-/tmp}/cuda_tests
 #
 # A fresh machine compiles every kernel on first use: test_kernels.py alone took minutes there,
-# test_exactness.py 301 s (session 10) and 376 s (session 11): hence 420 s a file by default.
+# test_exactness.py 301 s and 376 s on two machines: hence 420 s a file by default.
 set -uo pipefail
 limit=${1:-420}
 shift || true

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Keep a GPU machine's compiled kernels for the next machine of the same kind:
 #
-#   bash scripts/kernel_cache.sh save $OUT/kernels.tgz      # at the end of a machine session
+#   bash scripts/kernel_cache.sh save $OUT/kernels.tgz      # before the machine goes back
 #   bash scripts/kernel_cache.sh restore .kernels/kernels.tgz   # before the first MLX process
 #   bash scripts/kernel_cache.sh save $OUT/kernels.tgz 15M  # in parts of at most 15 MiB
 #
@@ -9,7 +9,7 @@
 # it is restored from ARCHIVE's parts when ARCHIVE itself is not there.
 #
 # A fresh H200 machine spends minutes compiling MLX's and our kernels before the first figure
-# (session 17: a warm-up `mtp bench` ran past 170 s, and the processes after it past 70 s
+# (once a warm-up `mtp bench` ran past 170 s, and the processes after it past 70 s
 # each). MLX keeps what NVRTC made under MLX_PTX_CACHE_DIR (default $TMPDIR/mlx/<version>/ptx)
 # and the CUDA driver what it made of that under CUDA_CACHE_PATH (default ~/.nv/ComputeCache);
 # both are keyed by their sources, so a cache from another machine with the same GPU, driver

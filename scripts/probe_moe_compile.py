@@ -1,4 +1,4 @@
-"""Which part of a MoE block gives other bits compiled than op by op (on CUDA, session 8).
+"""Which part of a MoE block gives other bits compiled than op by op (on CUDA).
 
     python scripts/probe_moe_compile.py [--shape tiny-moe] [--bits 4] [--out DIR]
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny checkpoints written once per session in every layout users have."""
+"""Shared fixtures: tiny checkpoints written once per test run in every layout users have."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def pair_cache():
 
 @pytest.fixture(scope="session")
 def load(ckpts, pair_cache):
-    """load(moe=..., bits=..., drafter='predictable'|'random') -> Loaded, cached per session."""
+    """load(moe=..., bits=..., drafter='predictable'|'random') -> Loaded, cached per test run."""
     from mtpcli.loading import load_pair
 
     def _load(*, moe=False, bits=None, drafter="predictable", drafter_bits=None, head_scale=1.0):
@@ -107,13 +107,11 @@ def tiny_mixer():
 
 @pytest.fixture
 def pretend_gpu(monkeypatch):
-    """pretend_gpu(module, name, native): a kernel module reports a GPU backend, its native
-    function ``name`` is ``native`` (a fake), and kernels run in auto mode (self-checked)."""
-    from mtpcli import kernels
+    """pretend_gpu(module, name, native): a kernel module reports a GPU backend and its native
+    function ``name`` is ``native`` (a fake); entries called in auto mode self-check it."""
 
     def _pretend(module, name, native):
         monkeypatch.setattr(module, "backend", lambda: "cuda")
         monkeypatch.setattr(module, name, native)
-        monkeypatch.setitem(kernels._state, "mode", "auto")
 
     return _pretend

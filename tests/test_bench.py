@@ -161,8 +161,8 @@ def test_prompt_files_take_json_strings_for_multiline_prompts(tmp_path):
 
 
 def test_peers_on_a_synthetic_model_and_no_timed_run_starts_on_dropped_traces(capsys, monkeypatch):
-    """The mlx-lm peer runs on MLX's own layer classes, which drops our compiled layer functions;
-    the bench rebuilds them untimed, so no timed run of ours pays for tracing. mlx-vlm, which
+    """The mlx-lm peer runs on MLX's own layer classes between our timed runs; our compiled
+    layer functions survive the swap, so no timed run of ours pays for tracing. mlx-vlm, which
     loads from disk, is not run on a synthetic model, and the report says so."""
     from mtpcli import bench
     from mtpcli.models.qwen3_5 import COMPILE_MAX_T, LayerFunctions

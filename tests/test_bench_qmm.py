@@ -58,7 +58,7 @@ def test_durations_map_to_the_plan_in_order_as_medians_of_their_repeats():
             assert row[arm] == {m: base[(name, arm, m)] / 1000 for m in (1, 3)}
     table = bench_qmm.ncu_markdown(s, ["8", "mlx", "8x5"])
     assert table.count("| small 128->64 |") == 2 and "| mlx |" not in table
-    # The same profile with occupancy and DRAM rows beside each duration (session 23's runs:
+    # The same profile with occupancy and DRAM rows beside each duration (the H200's runs:
     # their "%" unit once stopped the summary) maps to the same figures.
     more = (("sm__warps_active.avg.pct_of_peak_sustained_active", "%", "30.25"),
             ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "%", "43.10"))  # fmt: skip

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mtpcli.cli import run
 
 
@@ -75,11 +77,35 @@ def test_console_script_and_module_entry_points(tmp_path):
 
 
 def test_bad_engine_settings_are_named_errors(capsys, monkeypatch):
-    monkeypatch.setenv("MTP_SUBMIT_EVERY", "often")
-    assert run(["generate", "-p", "hello", "-n", "4"]) != 0
+    monkeypatch.setenv("MTP_KERNELS", "often")  # --kernels' variable
+    assert run(["generate", "-p", "hello", "-n", "4"]) == 2
     err = capsys.readouterr().err
-    assert "MTP_SUBMIT_EVERY must be a number of layers" in err and "Traceback" not in err
-    monkeypatch.setenv("MTP_SUBMIT_EVERY", "-8")
-    assert run(["bench", "--repeats", "1"]) == 2  # read as the target is made, before any run
+    assert "--kernels must be one of auto, native, ops, got 'often'" in err
+    assert "Traceback" not in err
+    monkeypatch.delenv("MTP_KERNELS")
+    assert run(["bench", "--repeats", "1", "--qmm", "fastest"]) == 2
     err = capsys.readouterr().err
-    assert "MTP_SUBMIT_EVERY must be a number of layers" in err and "Traceback" not in err
+    assert "--qmm must be one of auto, mlx, ours" in err and "Traceback" not in err
+
+
+def test_the_python_api_gives_what_the_cli_gives(capsys):
+    """``from mtpcli import load_pair, generate``: the same tokens and text as ``mtp generate``
+    on the built-in example, MTP forced and not, and the text streamed piece by piece."""
+    import mtpcli
+    from mtpcli import GenerateResult, generate, load_pair
+    from mtpcli.example import ensure_example
+
+    assert set(mtpcli.__all__) >= {"load_pair", "generate", "GenerateResult", "Options"}
+    argv = ["generate", "-p", "def main():", "-n", "20", "--json", "--draft-kind", "mtp"]
+    assert run(argv) == 0
+    cli = json.loads(capsys.readouterr().out)
+    pair = load_pair(*(str(p) for p in ensure_example()))
+    pieces = []
+    result = generate(pair, "def main():", max_tokens=20, force_mtp=True, on_text=pieces.append)
+    assert isinstance(result, GenerateResult) and result.mtp_engaged
+    assert result.tokens == cli["tokens"] and result.text == cli["text"] == "".join(pieces)
+    assert result.as_dict()["stats"]["rounds"] == result.stats.mtp.rounds > 0
+    classic = generate(pair, "def main():", max_tokens=20, block_size=3)
+    assert classic.tokens == result.tokens  # temperature 0: the same tokens either way
+    with pytest.raises(mtpcli.MtpError, match="draft-block-size must be in"):
+        generate(pair, "x", block_size=17)

@@ -1,26 +1,22 @@
 """Decode steps and verify blocks run mx.compile'd layer functions: same bits as op by op, and
-really compiled (not silently eager), retraced when a kernel choice changes."""
+really compiled (not silently eager), and op by op throughout with ``Options(compile=False)``."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
 
-from mtpcli import kernels
 from mtpcli.engine.classic import generate_classic
 from mtpcli.engine.mtp import generate_mtp
+from mtpcli.models.qwen3_5 import LayerFunctions
 
 PROMPT = [72, 101, 108, 108, 111, 9, 9, 41]
 
 
-@pytest.fixture
-def compile_setting(monkeypatch):
-    def use(choice: str) -> None:
-        monkeypatch.setitem(kernels._state, "compile", choice)
-        kernels.changed()
-
-    yield use
-    kernels.changed()
+def compiled(*models, on: bool) -> None:
+    """Fresh layer functions for each target or drafter, compiled or op by op."""
+    for m in models:
+        m.functions = LayerFunctions(on)
 
 
 def _decode_hidden(target, steps: int = 6) -> list[mx.array]:
@@ -32,12 +28,12 @@ def _decode_hidden(target, steps: int = 6) -> list[mx.array]:
 
 
 @pytest.mark.parametrize("moe", [False, True])
-def test_compiled_steps_equal_eager_steps_bitwise(load, compile_setting, moe):
+def test_compiled_steps_equal_eager_steps_bitwise(load, moe):
     target = load(moe=moe, bits=4).target
-    compile_setting("off")
+    compiled(target, on=False)
     eager = _decode_hidden(target)
     assert not target.functions.compiled_keys()
-    compile_setting("on")
+    compiled(target, on=True)
     fast = _decode_hidden(target)
     if all(target.routed_on_gpu):  # GPUs run routed layers op by op (docs/design.md)
         assert not target.functions.compiled_keys(), "a routed layer compiled on a GPU"
@@ -46,26 +42,30 @@ def test_compiled_steps_equal_eager_steps_bitwise(load, compile_setting, moe):
     assert all(mx.array_equal(a, b).item() for a, b in zip(eager, fast, strict=True))
 
 
-def test_mtp_compiled_equals_classic_eager(load, compile_setting):
+def test_mtp_compiled_equals_classic_eager(load):
     loaded = load(bits=4)
-    compile_setting("off")
+    compiled(loaded.target, on=False)
     want = list(generate_classic(loaded.target, PROMPT, max_tokens=40))
-    compile_setting("on")
+    compiled(loaded.target, loaded.drafter, on=True)
     got = list(generate_mtp(loaded.target, loaded.drafter, PROMPT, block_size=3, max_tokens=40))
     assert got == want
 
 
-def test_a_kernel_change_retraces(load, compile_setting):
-    target = load(bits=4).target
-    compile_setting("on")
-    _decode_hidden(target, 3)
-    assert target.functions.compiled_keys()
-    kernels.changed()
-    target.forward(mx.array([[5]]), target.make_cache())
-    assert not target.functions.compiled_keys()  # the first pass after it runs op by op
+def test_the_compile_option_off_runs_every_pass_op_by_op(ckpts):
+    from mtpcli.loading import load_pair
+    from mtpcli.options import Options
+
+    path, dpath = ckpts.target(bits=4), ckpts.drafter(bits=4, predictable=None, seed=5)
+    loaded = load_pair(str(path), str(dpath), options=Options(compile=False))
+    list(generate_mtp(loaded.target, loaded.drafter, PROMPT, block_size=3, max_tokens=12))
+    assert not loaded.target.functions.compiled_keys()
+    assert not loaded.drafter.functions.compiled_keys()
+    loaded = load_pair(str(path), str(dpath))  # the default: compiled after the first pass
+    list(generate_mtp(loaded.target, loaded.drafter, PROMPT, block_size=3, max_tokens=12))
+    assert loaded.target.functions.compiled_keys() and loaded.drafter.functions.compiled_keys()
 
 
-def test_compiled_drafter_equals_eager_drafter(load, compile_setting):
+def test_compiled_drafter_equals_eager_drafter(load):
     loaded = load(bits=4)
     target, drafter = loaded.target, loaded.drafter
     hidden = target.prefill(mx.array([PROMPT]), target.make_cache())
@@ -79,9 +79,9 @@ def test_compiled_drafter_equals_eager_drafter(load, compile_setting):
         mx.eval(outs)
         return outs
 
-    compile_setting("off")
+    compiled(drafter, on=False)
     eager = chain()
-    compile_setting("on")
+    compiled(drafter, on=True)
     chain()  # the first pass at each length runs op by op
     fast = chain()
     assert drafter.functions.compiled_keys()

@@ -58,30 +58,28 @@ def test_reference_block_equals_chain_of_single_positions(dtype):
 
 
 def test_the_model_uses_it_and_a_wrong_one_breaks_exactness_vs_mlx_lm(monkeypatch, tiny_mixer):
-    """Where the gated-delta kernel does not make the convolution itself (the CPU, or
-    ``FUSE_CONV`` off on a GPU), the gated-delta layer's goes through ``conv_silu``: a wrong
+    """Where the gated-delta kernel does not make the convolution itself (the CPU, or a shape
+    it does not take on a GPU), the gated-delta layer's goes through ``conv_silu``: a wrong
     result there changes the layer output (so the mlx-lm parity tests cover this path)."""
     from mtpcli.kernels import gated_delta as gd
     from mtpcli.models import qwen3_5 as tm
 
-    # On CUDA the folded kernel would make the convolution and never call conv_silu (the
-    # H200 failed this test for that, session 23).
-    monkeypatch.setattr(gd, "FUSE_CONV", False)
+    # On CUDA the folded kernel would make the convolution and never call conv_silu.
+    monkeypatch.setattr(gd, "_native_dims", lambda *heads: False)
     m, x, conv_state, state, want = tiny_mixer  # the norm left out here: identity
-    got = tm._gated_delta(m, x, lambda h: h, conv_state, state, keep=False)[0]
+    got = tm._gated_delta(m, x, lambda h: h, conv_state, state, False, "auto")[0]
     assert mx.allclose(got, want, atol=1e-5).item()
 
-    def wrong(x, window, weight):
+    def wrong(x, window, weight, mode="auto"):
         out, inputs, new_window = cw.conv_silu_ops(x, window, weight)
         return out * 1.01, inputs, new_window
 
     monkeypatch.setattr(gd, "conv_silu", wrong)
-    broken = tm._gated_delta(m, x, lambda h: h, conv_state, state, keep=False)[0]
+    broken = tm._gated_delta(m, x, lambda h: h, conv_state, state, False, "auto")[0]
     assert not mx.allclose(broken, want, atol=1e-5).item()
 
 
 def test_wrong_native_kernel_is_caught_and_replaced(monkeypatch):
-    monkeypatch.setitem(kernels._state, "mode", "auto")
     kernels.reset_verdicts()
     monkeypatch.setattr(cw, "backend", lambda: "cuda")
 
@@ -98,16 +96,17 @@ def test_wrong_native_kernel_is_caught_and_replaced(monkeypatch):
 
 
 def test_metal_source_mirrors_cuda_line_by_line():
+    """One text, spelled for each backend: only the spelled tokens differ."""
     metal_to_cuda = [
         ("thread_position_in_grid.x", "blockIdx.x * blockDim.x + threadIdx.x"),
         ("thread_position_in_grid.y", "blockIdx.y"),
         ("device ", ""),
         ("exp(", "expf("),
     ]
-    metal = cw._METAL_SOURCE
+    metal = cw.source(True)
     for a, b in metal_to_cuda:
         metal = metal.replace(a, b)
-    assert metal.splitlines() == cw._CUDA_SOURCE.splitlines()
+    assert metal.splitlines() == cw.source(False).splitlines()
 
 
 @cuda

@@ -12,6 +12,7 @@ from mtpcli.engine.classic import generate_classic
 from mtpcli.engine.mtp import generate_mtp
 from mtpcli.fixtures import tiny_text_config, write_drafter, write_target
 from mtpcli.loading import load_pair
+from mtpcli.options import Options
 
 pytestmark = pytest.mark.skipif(not kernels.available("cuda"), reason="needs MLX's CUDA backend")
 
@@ -31,17 +32,13 @@ def pair(request, tmp_path_factory):
     text = tiny_text_config(**MID)
     t = write_target(root / "t", text, bits=bits, predictable=0.45, group_size=64)
     d = write_drafter(root / "d", text, predictable=0.45)
-    kernels.set_qmm(qmm)  # fixed when the model is loaded
-    try:
-        return load_pair(str(t), str(d))
-    finally:
-        kernels.set_qmm(None)
+    return load_pair(str(t), str(d), options=Options(qmm=qmm))
 
 
 def test_native_kernel_is_in_use(pair):
     kernels.reset_verdicts()
     list(generate_classic(pair.target, [1, 2, 3], max_tokens=2))
-    verdicts = kernels._state["verdicts"]
+    verdicts = kernels._verdicts
     assert verdicts and all(verdicts.values())
     ours = type(pair.target.embed_tokens).__name__.startswith("Kernel")
     assert any(name == "quantized_matmul" for name, _ in verdicts) == ours

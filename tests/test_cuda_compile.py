@@ -17,7 +17,7 @@ from mtpcli.kernels import decode_attention as da
 from mtpcli.kernels import gated_delta as gd
 from mtpcli.kernels import gated_norm as gn
 from mtpcli.kernels import launch_bounds
-from mtpcli.kernels import quantized_matmul as qm
+from mtpcli.kernels import qmm_kernel as qm
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc")
@@ -64,17 +64,14 @@ def _no_spills(report: str) -> bool:
     return bool(spills) and all(s == ("0", "0") for s in spills)
 
 
-@pytest.mark.parametrize("raw", [False, True], ids=["plain", "raw"])
 @pytest.mark.parametrize("keep", [False, True], ids=["", "keep"])
 @pytest.mark.parametrize("dtype", [BF16, HALF, F32])
-def test_gated_delta_kernel_compiles_without_spills(tmp_path, keep, raw, dtype):
-    names = gd._INPUTS[raw]
-    types = dict.fromkeys(names, dtype) | {"state_in": F32}
-    types |= {"A_log": F32, "dt_bias": BF16} if raw else {"g": F32, "beta": F32}
+def test_gated_delta_kernel_compiles_without_spills(tmp_path, keep, dtype):
+    types = dict.fromkeys(gd._INPUTS, dtype) | {"state_in": F32, "A_log": F32, "dt_bias": BF16}
     outputs = {"y": dtype, "state_out": F32} | ({"states": F32} if keep else {})
     constants = {"InT": dtype, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48, **gd._layout(16, 48, 128)}
-    constants |= {"AT": F32, "DT": BF16} if raw else {}
-    report = _compile(tmp_path, _wrap(gd._source(False, keep, raw), "", types, outputs, constants))
+    constants |= {"AT": F32, "DT": BF16}
+    report = _compile(tmp_path, _wrap(gd._source(False, keep), "", types, outputs, constants))
     assert _no_spills(report), report
 
 
@@ -91,7 +88,7 @@ def test_gated_delta_kernel_with_the_conv_folded_in_compiles_without_spills(tmp_
                  **gd._layout(16, 48, 128, T), "AT": F32, "DT": dtype, "WT": F32,
                  "CK": 4}  # fmt: skip
     warps, _, blocks = gd._placement(16, 48, 128, T)
-    spec = gd._spec(False, keep, True, conv=True, bounds=(warps, blocks))
+    spec = gd._spec(False, keep, conv=True, bounds=(warps, blocks))
     report = _compile(tmp_path, _wrap(spec["source"], spec["header"], types, outputs, constants))
     assert _no_spills(report), report
     regs = int(re.search(r"Used (\d+) registers", report).group(1))
@@ -101,16 +98,13 @@ def test_gated_delta_kernel_with_the_conv_folded_in_compiles_without_spills(tmp_
 def test_convolution_kernel_compiles_without_spills(tmp_path):
     types = {"x": BF16, "window": BF16, "weight": BF16}
     outputs = {"y": BF16, "inputs": BF16, "window_out": BF16}
-    report = _compile(tmp_path, _wrap(cw._CUDA_SOURCE, "", types, outputs, {"InT": BF16, "K": 4}))
+    report = _compile(tmp_path, _wrap(cw.source(False), "", types, outputs, {"InT": BF16, "K": 4}))
     assert _no_spills(report), report
 
 
 VARIANTS = [qm.PLAIN, qm.Variant(residual=True), qm.Variant(1e-6), qm.Variant(swiglu=True),
-            qm.Variant(1e-6, swiglu=True), qm.Variant(residual=True, emits=True),
-            qm.Variant(sums_eps=1e-6), qm.Variant(swiglu=True, sums_eps=1e-6),
-            qm.Variant(gate_eps=1e-6, residual=True)]  # fmt: skip
-VARIANT_IDS = ["plain", "residual", "norm", "swiglu", "norm_swiglu", "residual_emits", "sums",
-               "sums_swiglu", "gated_residual"]  # fmt: skip
+            qm.Variant(1e-6, swiglu=True), qm.Variant(1e-6, residual=True)]  # fmt: skip
+VARIANT_IDS = ["plain", "residual", "norm", "swiglu", "norm_swiglu", "norm_residual"]
 
 
 def _product(variant: qm.Variant, xt: str, bits: int, group_size: int = 64,
@@ -119,13 +113,10 @@ def _product(variant: qm.Variant, xt: str, bits: int, group_size: int = 64,
     included where the variant has them)."""
     header = qm.header(variant) if header is None else header
     types = {"x": xt, "w": U32, "scales": xt, "biases": xt}
-    types |= {"norm_w": xt} if variant.norm_eps is not None or variant.emits else {}
-    types |= {"x_sums": "float"} if variant.sums_eps is not None else {}
+    types |= {"norm_w": xt} if variant.norm_eps is not None else {}
     types |= {"residual": xt} if variant.residual else {}
-    types |= {"z": xt, "gate_w": xt} if variant.gate_eps is not None else {}
-    outputs = {"y": xt} | ({"y_w": xt, "y_sums": "float"} if variant.emits else {})
+    outputs = {"y": xt}
     constants = {"XT": xt, "ST": xt, "BITS": bits, "GS": group_size, "WARPS": qm.WARPS}
-    constants |= {"Z_OFF": 10240} if variant.gate_eps is not None else {}
     return _wrap(qm.source(False, variant), header, types, outputs, constants)
 
 
@@ -189,10 +180,10 @@ def test_decode_attention_kernels_compile_without_spills(tmp_path, dtype):
 
 def test_a_source_error_is_caught(tmp_path):
     """The check is real: a source that does not compile fails it."""
-    source = gd._source(False, True, True)
+    source = gd._source(False, True)
     assert "kv[r] = PSUM(p);" in source
     source = source.replace("kv[r] = PSUM(p);", "kv[r] = undefined_name;")
-    code = _wrap(source, "", dict.fromkeys(gd._INPUTS[True], F32), {"y": F32, "state_out": F32,
+    code = _wrap(source, "", dict.fromkeys(gd._INPUTS, F32), {"y": F32, "state_out": F32,
                  "states": F32}, {"InT": F32, "AT": F32, "DT": F32, "Dk": 128, "Dv": 128,
                  "Hk": 16, "Hv": 48, "R": 4, "WARPS": 4, "HPT": 1})  # fmt: skip
     with pytest.raises(AssertionError, match="undefined_name"):
@@ -206,6 +197,6 @@ def test_a_kernel_that_spills_is_caught(tmp_path):
     outputs = {"y": BF16, "state_out": F32, "states": F32, "inputs": BF16, "window_out": BF16}
     constants = {"InT": BF16, "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 48, "R": 2, "WARPS": 8,
                  "HPT": 1, "AT": F32, "DT": BF16, "WT": F32, "CK": 4}  # fmt: skip
-    source = gd._source(False, True, True, conv=True)
+    source = gd._source(False, True, conv=True)
     report = _compile(tmp_path, _wrap(source, launch_bounds(8, 8), types, outputs, constants))
     assert not _no_spills(report)

@@ -257,6 +257,7 @@ def test_the_model_takes_the_kernel_path_on_a_gpu_and_stays_exact(load, monkeypa
     assert calls.count(1) >= 2 * 23 and max(calls) == 3  # decode steps, and verify blocks
 
     def dropped_key(*args):  # the new position's own key left out of the product
+        args = args[:11]  # without the kernel mode
         out, k = da.decode_attention_ops(*args)
         q, kk, v, gate, qw, kw, eps, keys, values, rope, scale = args
         wrong, _ = da.decode_attention_ops(q, kk, v, gate, qw, kw, eps, keys[:, :, 1:],
@@ -293,9 +294,9 @@ def test_a_gpu_verify_runs_attention_as_a_block_only_through_the_kernel_path(loa
     seen = []
     original = tm.attention_core
 
-    def recorded(m, q, k, v, gate, mask, cache):
+    def recorded(m, q, k, v, gate, mask, cache, mode="auto"):
         seen.append((q.shape[1], cache.offset))
-        return original(m, q, k, v, gate, mask, cache)
+        return original(m, q, k, v, gate, mask, cache, mode)
 
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(tm, "mx", _GpuDefault())

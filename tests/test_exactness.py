@@ -14,6 +14,7 @@ from mtpcli.engine.classic import generate_classic
 from mtpcli.engine.mtp import generate_mtp
 from mtpcli.engine.sampling import positions
 from mtpcli.models import qwen3_5 as target_mod
+from mtpcli.options import Options
 
 PROMPTS = [
     [7],  # one token
@@ -26,6 +27,11 @@ PROMPTS = [
     [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
 ]
 BLOCKS = [2, 3, 4, 6, 8]
+
+
+def _retrace(target) -> None:
+    """Fresh layer functions: the next passes trace what the model code now calls."""
+    target.functions = target_mod.LayerFunctions(target.options.compile)
 
 
 def _classic(loaded, prompt, n):
@@ -174,7 +180,6 @@ def test_rollback_and_logits_are_views_not_copies(load, tmp_path):
 def test_row_policy_catches_an_op_that_is_not_row_invariant(load, monkeypatch):
     """An op whose batched rows differ from single rows is run row by row in a verify. (The
     4-bit model: on a GPU the bf16 model's layers are never probed, they always go row by row.)"""
-    from mtpcli.kernels import quantized_matmul as qm
     from mtpcli.models.qwen3_5 import RowPolicy
 
     target = load(bits=4).target
@@ -182,16 +187,15 @@ def test_row_policy_catches_an_op_that_is_not_row_invariant(load, monkeypatch):
     # Layer 0's out projection: called in every configuration (its MLP is not, where the MLP's
     # products are fused into one launch).
     out_proj = target.layers[0].linear_attn.out_proj
-    original = qm.linear_add
+    original = target_mod.linear_add
 
-    def skewed(layer, x, residual, then=None, gate=None):  # switches with the row count
-        if layer is not out_proj:
-            return original(layer, x, residual, then, gate)
-        return original(layer, x, residual, gate=gate) + 1e-2 * (x.shape[1] > 1)  # no norm begun
+    def skewed(layer, x, residual):  # switches with the row count
+        out = original(layer, x, residual)
+        return out + 1e-2 * (x.shape[1] > 1) if layer is out_proj else out
 
-    monkeypatch.setattr(qm, "linear_add", skewed)
+    monkeypatch.setattr(target_mod, "linear_add", skewed)
     monkeypatch.setattr(target, "policy", RowPolicy())
-    kernels.changed()  # the compiled layer functions were traced without the skew: retrace
+    _retrace(target)  # the compiled layer functions were traced without the skew
     prompt = PROMPTS[3]
     want = _classic(load(bits=4), prompt, 48)
     assert _mtp(load(bits=4), prompt, 48, 4) == want
@@ -209,7 +213,7 @@ def test_row_policy_catches_an_op_that_is_not_row_invariant(load, monkeypatch):
     )
     assert _mtp(load(bits=4), prompt, 48, 4) != want
     monkeypatch.undo()
-    kernels.changed()
+    _retrace(target)
 
 
 def test_routed_layers_go_position_by_position_in_a_gpu_verify(load, monkeypatch):
@@ -222,11 +226,11 @@ def test_routed_layers_go_position_by_position_in_a_gpu_verify(load, monkeypatch
     from mtpcli.models.qwen3_5 import Qwen35Target, RowPolicy
 
     loaded = load(moe=True)
+    mlx_qmm = Options(qmm="mlx")
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(kernels, "qmm", lambda: "mlx")
-    target = Qwen35Target(loaded.target.model, loaded.target.config, fuse=False)
+    target = Qwen35Target(loaded.target.model, loaded.target.config, mlx_qmm, fuse=False)
     monkeypatch.setattr(kernels, "backend", lambda: "cpu")
-    on_cpu = Qwen35Target(loaded.target.model, loaded.target.config, fuse=False)
+    on_cpu = Qwen35Target(loaded.target.model, loaded.target.config, mlx_qmm, fuse=False)
     monkeypatch.undo()
     assert not any(on_cpu.routed_on_gpu)
     _classic(SimpleNamespace(target=on_cpu), PROMPTS[1], 4)
@@ -240,7 +244,6 @@ def test_routed_layers_go_position_by_position_in_a_gpu_verify(load, monkeypatch
     monkeypatch.setattr(target, "unprobed", [False] * len(target.layers))
     assert not still_exact()
     monkeypatch.undo()
-    kernels.changed()
 
 
 def _skewed_blocks_pass_every_probe(monkeypatch, target, module, drafter):
@@ -256,7 +259,7 @@ def _skewed_blocks_pass_every_probe(monkeypatch, target, module, drafter):
 
     monkeypatch.setattr(type(module), "__call__", skewed)
     monkeypatch.setattr(target_mod, "_equal", lambda a, b: True)  # every probe passes
-    kernels.changed()
+    _retrace(target)
     pair = SimpleNamespace(target=target, drafter=drafter)
     want = _classic(pair, PROMPTS[3], 48)
     assert _mtp(pair, PROMPTS[3], 48, 4) == want
@@ -271,10 +274,10 @@ def test_dense_layers_go_position_by_position_in_a_gpu_verify(load, monkeypatch)
     from mtpcli.models.qwen3_5 import Qwen35Target, RowPolicy
 
     loaded, quantized = load(), load(bits=4)
+    mlx_qmm = Options(qmm="mlx")
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(kernels, "qmm", lambda: "mlx")
-    target = Qwen35Target(loaded.target.model, loaded.target.config, fuse=False)
-    q4 = Qwen35Target(quantized.target.model, quantized.target.config, fuse=False)
+    target = Qwen35Target(loaded.target.model, loaded.target.config, mlx_qmm, fuse=False)
+    q4 = Qwen35Target(quantized.target.model, quantized.target.config, mlx_qmm, fuse=False)
     monkeypatch.undo()
     assert target.unprobed == [True] * len(target.layers) and target.head_unprobed
     assert not any(q4.unprobed) and not q4.head_unprobed
@@ -284,7 +287,6 @@ def test_dense_layers_go_position_by_position_in_a_gpu_verify(load, monkeypatch)
     monkeypatch.setattr(target, "unprobed", [False] * len(target.layers))
     assert not still_exact()
     monkeypatch.undo()
-    kernels.changed()
 
 
 @pytest.mark.parametrize("pair", ROLLBACK_PAIRS)
@@ -333,14 +335,15 @@ def test_the_folded_conv_kernel_runs_every_gated_delta_layer(load, monkeypatch, 
         assert verdicts and all(verdicts)
     finally:
         monkeypatch.undo()
-        kernels.reset_verdicts()  # and retrace the layer functions without the stand-in
+        kernels.reset_verdicts()
+        _retrace(loaded.target)  # the layer functions without the stand-in
 
 
 def test_a_verify_submitted_in_parts_still_equals_classic(load, monkeypatch):
-    """With ``submit_every`` (MTP_SUBMIT_EVERY) a verify block's stream is submitted every few
-    layers while the rest is built: each verify adds a submission a layer at 1, and MTP still
-    equals classic. Classic's decode steps are not submitted in parts."""
-    from mtpcli.errors import UsageError
+    """With ``submit_every`` a verify block's hidden state is submitted every few layers while
+    the rest is built: each verify adds a submission a layer at 1, and MTP still equals
+    classic. Classic's decode steps are not submitted in parts."""
+    from mtpcli import options
 
     loaded = load(bits=4)
     prompt = PROMPTS[2]
@@ -359,19 +362,12 @@ def test_a_verify_submitted_in_parts_still_equals_classic(load, monkeypatch):
     calls.clear()
     assert _classic(loaded, prompt, 24) == want
     assert len(calls) <= 24  # a submission a step at most: none in parts
-    monkeypatch.delenv("MTP_SUBMIT_EVERY", raising=False)
-    monkeypatch.setattr(kernels, "backend", lambda: "cpu")
-    assert target_mod.submit_every() == 0  # the CPU: its compute hides the overlap
-    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
-    assert target_mod.submit_every() == target_mod.SUBMIT_EVERY_GPU == 8  # measured on a GPU
-    monkeypatch.setenv("MTP_SUBMIT_EVERY", "0")
-    assert target_mod.submit_every() == 0
-    monkeypatch.setenv("MTP_SUBMIT_EVERY", "2")
-    assert target_mod.submit_every() == 2
-    for bad in ("-1", "two", ""):
-        monkeypatch.setenv("MTP_SUBMIT_EVERY", bad)
-        with pytest.raises(UsageError, match="MTP_SUBMIT_EVERY"):
-            target_mod.submit_every()
+    monkeypatch.setattr(options, "backend", lambda: "cpu")
+    assert Options().layers_a_submit == 0  # the CPU: its compute hides the overlap
+    monkeypatch.setattr(options, "backend", lambda: "cuda")
+    assert Options().layers_a_submit == options.SUBMIT_EVERY_GPU == 8  # measured on a GPU
+    assert Options(submit_every=0).layers_a_submit == 0
+    assert Options(submit_every=2).layers_a_submit == 2
 
 
 def test_eos_and_max_tokens_stop_both_engines(load):

@@ -190,11 +190,8 @@ def _gate_dir(ctx):
     _fake_calibration(ctx)
 
 
-def _bad_compile_env(ctx):
-    from mtpcli import kernels
-
-    ctx.monkeypatch.setenv("MTP_COMPILE", "fast")
-    ctx.monkeypatch.setitem(kernels._state, "compile", None)  # read again from the environment
+def _bad_kernels_env(ctx):
+    ctx.monkeypatch.setenv("MTP_KERNELS", "fast")
 
 
 def _bad_prompts(ctx):
@@ -278,7 +275,7 @@ CASES = [
     Case("weights-inf", GEN, 1, r"logits at the first step are not finite", "engine.check_finite", setup=_poison(float("inf"))),  # noqa: E501
     Case("tokenizer-past-vocab", GEN, 1, r"has token id 279, but the model embeds only 272", "tokenizer.load_tokenizer", setup=_big_tokenizer),  # noqa: E501
     Case("temp-tiny", (*GEN, "--temp", "1e-40"), 2, r"--temp must be 0 \(greedy\) or in", "sampling.SamplingParams"),  # noqa: E501
-    Case("compile-env-bad", GEN, 2, r"MTP_COMPILE must be one of on, off, got 'fast'", "kernels._set", setup=_bad_compile_env),  # noqa: E501
+    Case("kernels-env-bad", GEN, 2, r"--kernels must be one of auto, native, ops, got 'fast'", "Options.__post_init__", setup=_bad_kernels_env),  # noqa: E501
     Case("temp-inf", (*GEN, "--temp", "inf"), 2, r"--temp must be 0 \(greedy\) or in", "sampling.SamplingParams"),  # noqa: E501
     Case("n-past-positions", ("generate", "-m", "{t}", "-p", "hi", "-n", "4090"), 2, r"exceeds the model's 4096 positions", "engine.check_room"),  # noqa: E501
     Case("n-huge", ("generate", "-m", "{t}", "-p", "hi", "-n", str(10**30)), 2, r"plus --max-tokens \(10{30}\) exceeds", "engine.check_room"),  # noqa: E501

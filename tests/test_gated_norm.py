@@ -206,17 +206,16 @@ def test_a_wrong_kernel_is_refused_with_a_warning(pretend_gpu, wrong):
 
 
 def test_the_model_runs_the_layer_norm_through_it(monkeypatch, tiny_mixer):
-    """The gated-delta layer's norm goes through ``gated_norm`` where the out projection does
-    not take it in its launch (on the CPU: mlx-lm's ops, so the mlx-lm parity tests cover it):
-    a wrong result there changes the layer's output."""
-    from mtpcli.kernels import quantized_matmul as qm
+    """The gated-delta layer's norm goes through ``gated_norm_in_place`` (on the CPU: mlx-lm's
+    ops, so the mlx-lm parity tests cover it): a wrong result there changes the layer's
+    output."""
     from mtpcli.models import qwen3_5 as tm
 
     m, x, conv_state, state, want = tiny_mixer
-    got = tm._gated_delta(m, x, lambda h: h, conv_state, state, keep=False)[0]
+    got = tm._gated_delta(m, x, lambda h: h, conv_state, state, False, "auto")[0]
     assert mx.allclose(got, want, atol=1e-5).item()
-    monkeypatch.setattr(qm, "gated_norm_in_place", lambda *a: gn.gated_norm_in_place(*a) * 1.01)
-    broken = tm._gated_delta(m, x, lambda h: h, conv_state, state, keep=False)[0]
+    monkeypatch.setattr(tm, "gated_norm_in_place", lambda *a: gn.gated_norm_in_place(*a) * 1.01)
+    broken = tm._gated_delta(m, x, lambda h: h, conv_state, state, False, "auto")[0]
     assert not mx.allclose(broken, want, atol=1e-5).item()
 
 

@@ -16,8 +16,8 @@ from mlx_lm.models.activations import swiglu
 
 from mtpcli.kernels import conv_window as cw
 from mtpcli.kernels import gated_delta as gd
-from mtpcli.kernels import gated_norm as gn
-from mtpcli.kernels import quantized_matmul as qm
+from mtpcli.kernels import qmm_kernel as qm
+from mtpcli.kernels.quantized_matmul import quantized_matmul_ops, random_quantized
 
 pytestmark = pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++")
 
@@ -41,54 +41,38 @@ def _raw_inputs(T: int, seed: int = 0, dv: int = DV) -> dict[str, np.ndarray]:
     }  # fmt: skip
 
 
-def _plain_inputs(T: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """The plain variant's inputs (q/k taken as normalised, the decay g and beta given)."""
-    x = _raw_inputs(T, seed)
-    rng = np.random.default_rng(seed + 100)
-    g = rng.uniform(0.3, 1.0, (1, T, HV)).astype(np.float32)
-    beta = rng.uniform(0.0, 1.0, (1, T, HV)).astype(np.float32)
-    return {"q": x["q"] * 0.2, "k": x["k"] * 0.2, "v": x["v"], "g": g, "beta": beta,
-            "state_in": x["state_in"]}  # fmt: skip
-
-
 def _emulate(x: dict, keep: bool, rows: int | None = None, source: str | None = None,
              metal: bool = False) -> list:  # fmt: skip
     """The kernel on x, ``rows`` value rows per warp (by default as the launch picks them);
     ``source`` a variant of the CUDA kernel, or of the Metal one."""
-    T, raw, dv = x["q"].shape[1], "a" in x, x["v"].shape[-1]
+    T, dv = x["q"].shape[1], x["v"].shape[-1]
     layout = gd._layout(HK, HV, dv, T, rows, conv=False)
     outputs = {"y": (1, T, HV, dv), "state_out": (1, HV, dv, DK)}
     if keep:
         outputs["states"] = (T - 1, 1, HV, dv, DK)
     out = cuda_emulation.run(
-        source or gd._source(False, keep, raw),
+        source or gd._source(False, keep),
         x,
         outputs,
         {"Dk": DK, "Dv": dv, "Hk": HK, "Hv": HV, **layout},
         *gd._geometry(1, HV, dv, layout),
-        header=gd._spec(True, keep, raw)["header"] if metal else "",  # what the Metal build gets
+        header=gd._spec(True, keep)["header"] if metal else "",  # what the Metal build gets
     )
     return list(out.values())
 
 
 def _reference(x: dict, keep: bool) -> list[np.ndarray]:
     a = {n: mx.array(v) for n, v in x.items()}
-    if "a" in a:
-        y, state, states = gd.gated_delta_raw_ops(
-            a["q"], a["k"], a["v"], a["a"], a["bb"], a["A_log"], a["dt_bias"], a["state_in"],
-            keep_states=keep,
-        )  # fmt: skip
-    else:
-        y, state, states = gd.gated_delta_ops(
-            a["q"], a["k"], a["v"], a["g"], a["beta"], a["state_in"], keep_states=keep
-        )
+    y, state, states = gd.gated_delta_raw_ops(
+        a["q"], a["k"], a["v"], a["a"], a["bb"], a["A_log"], a["dt_bias"], a["state_in"],
+        keep_states=keep,
+    )  # fmt: skip
     return [np.array(t) for t in (y, state, states) if t is not None]
 
 
-@pytest.mark.parametrize("inputs", [_raw_inputs, _plain_inputs], ids=["raw", "plain"])
 @pytest.mark.parametrize("T, keep", [(1, False), (3, True), (5, True), (3, False), (11, True)])
-def test_emulated_kernel_matches_the_reference(inputs, T, keep):
-    x = inputs(T, seed=T)
+def test_emulated_kernel_matches_the_reference(T, keep):
+    x = _raw_inputs(T, seed=T)
     got, want = _emulate(x, keep=keep), _reference(x, keep=keep)
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
@@ -130,7 +114,7 @@ def test_emulated_kernel_reads_the_state_through_its_strides(metal, layout):
         dense = np.zeros_like(dense)
         view = np.broadcast_to(np.zeros((1, 1, 1, 1), np.float32), dense.shape)
     assert not view.flags.owndata
-    source = gd._source(metal, True, True)
+    source = gd._source(metal, True)
     got = _emulate({**x, "state_in": view}, keep=True, source=source, metal=metal)
     want = _emulate({**x, "state_in": np.ascontiguousarray(dense)}, keep=True, source=source,
                     metal=metal)  # fmt: skip
@@ -161,19 +145,19 @@ def test_emulated_rows_per_warp_do_not_change_a_bit(rows):
 def test_emulation_catches_a_broken_kernel(old, new, T):
     """The emulation is a real check: each of these mistakes makes it disagree."""
     x = _raw_inputs(T, seed=11)
-    source = gd._source(False, True, True)
+    source = gd._source(False, True)
     assert old in source
     got = _emulate(x, keep=True, source=source.replace(old, new))
     want = _reference(x, keep=True)
     assert not all(np.allclose(g, w, rtol=1e-4, atol=1e-5) for g, w in zip(got, want, strict=True))
 
 
-def _conv(x, window, weight, source: str = cw._CUDA_SOURCE) -> list[np.ndarray]:
+def _conv(x, window, weight, source: str | None = None) -> list[np.ndarray]:
     B, T, C = x.shape
     K = weight.shape[1]
     threads = cw._THREADS
     out = cuda_emulation.run(
-        source,
+        source or cw.source(False),
         {"x": x, "window": window, "weight": weight},
         {"y": (B, T, C), "inputs": (B, K - 1 + T, C), "window_out": (B, K - 1, C)},
         {"K": K},
@@ -194,14 +178,15 @@ def test_emulated_convolution_matches_the_reference(T):
     want = cw.conv_silu_ops(mx.array(x), mx.array(window), mx.array(weight))
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, np.array(w), rtol=1e-5, atol=1e-6)
-    broken = _conv(x, window, weight, cw._CUDA_SOURCE.replace("last[k] = last[k + 1]", ""))
+    broken = _conv(x, window, weight, cw.source(False).replace("last[k] = last[k + 1]", ""))
     pairs = zip(broken, want, strict=True)
     close = [np.allclose(b, np.array(w), rtol=1e-5, atol=1e-6) for b, w in pairs]
     assert not all(close)  # a window that never slides is caught
 
 
-@pytest.mark.parametrize("source", [cw._CUDA_SOURCE, cw._METAL_SOURCE], ids=["cuda", "metal"])
-def test_emulated_convolution_reads_the_window_through_its_strides(source):
+@pytest.mark.parametrize("metal", [False, True], ids=["cuda", "metal"])
+def test_emulated_convolution_reads_the_window_through_its_strides(metal):
+    source = cw.source(metal)
     """After a rollback the window is a view into the last verify's inputs."""
     rng = np.random.default_rng(9)
     x = rng.standard_normal((2, 3, 280), dtype=np.float32)
@@ -216,11 +201,10 @@ def test_emulated_convolution_reads_the_window_through_its_strides(source):
 # The Metal sources, run the same way: nothing else here can run them.
 
 
-@pytest.mark.parametrize("raw", [True, False], ids=["raw", "plain"])
 @pytest.mark.parametrize("T, keep", [(1, False), (3, True)])
-def test_emulated_metal_gated_delta_matches_the_reference(raw, T, keep):
-    x = (_raw_inputs if raw else _plain_inputs)(T, seed=40 + T)
-    got = _emulate(x, keep, source=gd._source(True, keep, raw), metal=True)
+def test_emulated_metal_gated_delta_matches_the_reference(T, keep):
+    x = _raw_inputs(T, seed=40 + T)
+    got = _emulate(x, keep, source=gd._source(True, keep), metal=True)
     for g, w in zip(got, _reference(x, keep), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
@@ -231,41 +215,35 @@ def test_emulated_metal_convolution_matches_the_reference():
     window = rng.standard_normal((2, 3, 280), dtype=np.float32)
     weight = rng.standard_normal((280, 4, 1), dtype=np.float32) * 0.5
     want = cw.conv_silu_ops(mx.array(x), mx.array(window), mx.array(weight))
-    for g, w in zip(_conv(x, window, weight, cw._METAL_SOURCE), want, strict=True):
+    for g, w in zip(_conv(x, window, weight, cw.source(True)), want, strict=True):
         np.testing.assert_allclose(g, np.array(w), rtol=1e-5, atol=1e-6)
 
 
 def _outputs(variant: qm.Variant, m: int, n: int) -> dict:
-    """The emulated launch's outputs for m rows (x's leading axes, flattened here): y, and
-    where the variant begins a norm y_w and y_sums."""
-    n_out, groups = qm.launch_shape(n, variant.swiglu)
-    return {"y": (m, n_out)} | ({"y_w": (m, n), "y_sums": (m, groups)} if variant.emits else {})
+    """The emulated launch's output y for m rows (x's leading axes, flattened here)."""
+    n_out, _ = qm.launch_shape(n, variant.swiglu)
+    return {"y": (m, n_out)}
 
 
 def _metal_qmm(x: np.ndarray, w, scales, biases, group_size: int, bits: int,
                residual: np.ndarray | None = None, variant: qm.Variant = qm.PLAIN,
-               norm_w: np.ndarray | None = None, source: str | None = None,
-               x_sums: np.ndarray | None = None, gate: tuple | None = None):  # fmt: skip
-    """The Metal product's y, or with ``variant.emits`` all its outputs (a dict); ``gate``:
-    (z's source, z's offset, the norm's weight), float32 values."""
+               norm_w: np.ndarray | None = None, source: str | None = None):  # fmt: skip
+    """The Metal product's y."""
     n = w.shape[0]
     if residual is not None and not variant.residual:
         variant = dataclasses.replace(variant, residual=True)
     _, groups = qm.launch_shape(n, variant.swiglu)
     extra = {"norm_w": norm_w} if norm_w is not None else {}
-    extra |= {"x_sums": x_sums} if x_sums is not None else {}
     extra |= {"residual": residual} if residual is not None else {}
-    extra |= {"z": gate[0], "gate_w": gate[2]} if gate is not None else {}
     out = cuda_emulation.run(
         source or qm.source(True, variant),
         {"x": x, "w": w, "scales": scales, "biases": biases} | extra,
         _outputs(variant, math.prod(x.shape[:-1]), n),
-        {"XT": "float", "ST": "float", "BITS": bits, "GS": group_size, "WARPS": qm.WARPS}
-        | ({"Z_OFF": gate[1]} if gate is not None else {}),
+        {"XT": "float", "ST": "float", "BITS": bits, "GS": group_size, "WARPS": qm.WARPS},
         grid=(32 * qm.WARPS * groups, 1, 1),
         threadgroup=(32 * qm.WARPS, 1, 1),
     )
-    return out if variant.emits else out["y"]
+    return out["y"]
 
 
 @pytest.mark.parametrize("bits", qm.BITS)
@@ -281,7 +259,7 @@ def test_emulated_metal_quantized_matmul_matches_the_reference(bits, group_size)
     x = rng.standard_normal((8, k), dtype=np.float32)
     arrays = [np.array(a) for a in (w, scales, biases)]
     got = {m: _metal_qmm(x[:m], *arrays, group_size, bits) for m in (1, 3, 8)}
-    want = qm.quantized_matmul_ops(mx.array(x), w, scales, biases, group_size=group_size,
+    want = quantized_matmul_ops(mx.array(x), w, scales, biases, group_size=group_size,
                                    bits=bits)  # fmt: skip
     np.testing.assert_allclose(got[8], np.array(want), rtol=1e-4, atol=1e-4)
     assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
@@ -302,7 +280,7 @@ def test_emulated_cuda_quantized_matmul_matches_the_reference(bits, group_size):
     against x times the weights as it dequantizes them (scale * q + bias, rounded once to
     bf16) in float64, and rows M-invariant, bitwise."""
     n, k = 40, 512
-    w, scales, biases = qm.random_quantized(n, k, group_size, bits, mx.bfloat16, seed=bits)
+    w, scales, biases = random_quantized(n, k, group_size, bits, mx.bfloat16, seed=bits)
     x = mx.random.normal((8, k), key=mx.random.key(group_size)).astype(mx.bfloat16)
     want = _as_dequantized(x, w, scales, biases, group_size, bits)
     got = {m: _cuda_qmm(x[:m], w, scales, biases, group_size, bits) for m in (1, 3, 8)}
@@ -327,32 +305,27 @@ def _as_dequantized(x, w, scales, biases, group_size, bits) -> np.ndarray:
 
 
 def _cuda_qmm(x, w, scales, biases, group_size, bits, warps=qm.WARPS, residual=None,
-              variant: qm.Variant = qm.PLAIN, norm_w=None, source: str | None = None,
-              x_sums: np.ndarray | None = None, gate: qm.Gate | None = None):  # fmt: skip
-    """The CUDA product's y, or with ``variant.emits`` all its outputs (a dict)."""
+              variant: qm.Variant = qm.PLAIN, norm_w=None, source: str | None = None):  # fmt: skip
+    """The CUDA product's y."""
     n = w.shape[0]
     if residual is not None and not variant.residual:
         variant = dataclasses.replace(variant, residual=True)
     _, groups = qm.launch_shape(n, variant.swiglu)
     extra = {"norm_w": _bits16(norm_w)} if norm_w is not None else {}
-    extra |= {"x_sums": np.asarray(x_sums, np.float32)} if x_sums is not None else {}
     extra |= {"residual": _bits16(residual)} if residual is not None else {}
-    if gate is not None:
-        extra |= {"z": _bits16(gate.source), "gate_w": _bits16(gate.weight)}
     out = cuda_emulation.run(
         source or qm.source(False, variant),
         {"x": _bits16(x), "w": np.array(w), "scales": _bits16(scales), "biases": _bits16(biases)}
         | extra,
         _outputs(variant, math.prod(x.shape[:-1]), n),
         {"XT": "__nv_bfloat16", "ST": "__nv_bfloat16", "BITS": bits, "GS": group_size,
-         "WARPS": warps} | ({"Z_OFF": gate.offset} if gate is not None else {}),
+         "WARPS": warps},
         grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
         header=cuda_emulation.emulated_mma(qm._HEADER_CUDA),
-        types={"x": "XT", "scales": "ST", "biases": "ST", "residual": "XT", "norm_w": "XT",
-               "z": "XT", "gate_w": "XT"},
+        types={"x": "XT", "scales": "ST", "biases": "ST", "residual": "XT", "norm_w": "XT"},
     )  # fmt: skip
-    return out if variant.emits else out["y"]
+    return out["y"]
 
 
 def _bf16_sum(a: np.ndarray, b: mx.array) -> np.ndarray:
@@ -365,7 +338,7 @@ def test_emulated_cuda_product_adds_its_residual_as_mlx_adds(bits):
     """The residual variant (a layer's h + proj(x) in one launch) stores exactly what the plain
     product followed by MLX's bf16 add gives, every row of M = 1..8 in its own place."""
     n, k = 40, 512
-    w, scales, biases = qm.random_quantized(n, k, 64, bits, mx.bfloat16, seed=11 + bits)
+    w, scales, biases = random_quantized(n, k, 64, bits, mx.bfloat16, seed=11 + bits)
     x = mx.random.normal((8, k), key=mx.random.key(12)).astype(mx.bfloat16)
     r = (mx.random.normal((8, n), key=mx.random.key(13)) * 4).astype(mx.bfloat16)
     plain = _cuda_qmm(x, w, scales, biases, 64, bits)
@@ -392,7 +365,7 @@ def test_emulated_cuda_quantized_matmul_prefetch_over_many_rounds(bits):
     32 stretches run 16 rounds each, so a stretch used before or after its own request (a
     broken prefetch) gives wrong rows."""
     n, k = 24, 4096 if bits == 4 else 2048
-    w, scales, biases = qm.random_quantized(n, k, 64, bits, mx.bfloat16, seed=3)
+    w, scales, biases = random_quantized(n, k, 64, bits, mx.bfloat16, seed=3)
     x = mx.random.normal((3, k), key=mx.random.key(4)).astype(mx.bfloat16)
     got = _cuda_qmm(x, w, scales, biases, 64, bits, warps=2)
     want = _as_dequantized(x, w, scales, biases, 64, bits)
@@ -420,7 +393,7 @@ def _silu_times(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 
 def _norm_inputs(bits: int, n: int = 40, k: int = 512, m: int = 8, seed: int = 0):
-    w, scales, biases = qm.random_quantized(n, k, 64, bits, mx.bfloat16, seed=seed)
+    w, scales, biases = random_quantized(n, k, 64, bits, mx.bfloat16, seed=seed)
     x = (mx.random.normal((m, k), key=mx.random.key(seed + 1)) * 3).astype(mx.bfloat16)
     nw = mx.random.uniform(0.5, 1.5, (k,), key=mx.random.key(seed + 2)).astype(mx.bfloat16)
     return x, nw, w, scales, biases
@@ -449,7 +422,7 @@ def test_emulated_cuda_product_makes_swiglu_of_its_halves(bits):
     """The swiglu variant pairs gate row r with up row r + N/2 in one tile: each output is
     mlx-lm's swiglu of the plain product's two values, the last tile partial (20 outputs),
     rows M-invariant bitwise."""
-    w, scales, biases = qm.random_quantized(40, 512, 64, bits, mx.bfloat16, seed=30 + bits)
+    w, scales, biases = random_quantized(40, 512, 64, bits, mx.bfloat16, seed=30 + bits)
     x = mx.random.normal((8, 512), key=mx.random.key(31)).astype(mx.bfloat16)
     plain = _cuda_qmm(x, w, scales, biases, 64, bits)
     want = _silu_times(plain[:, :20], plain[:, 20:])
@@ -526,230 +499,6 @@ def test_emulated_metal_variants_match_their_arithmetic(swiglu_out):
     assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
 
 
-# The norm in two launches: the residual add that makes h begins the next RMSNorm, the product
-# after it finishes the norm (kernels/quantized_matmul.py, Variant.emits and sums_eps).
-BEGINS = qm.Variant(residual=True, emits=True)
-FINISHES = qm.Variant(sums_eps=1e-6)
-
-
-def _residual_inputs(bits: int, seed: int, n: int = 40, k: int = 512, m: int = 8):
-    """Weights [n, k], x [m, k], a residual [m, n] and a next norm's weight [n], bf16."""
-    w, scales, biases = qm.random_quantized(n, k, 64, bits, mx.bfloat16, seed=seed)
-    x = mx.random.normal((m, k), key=mx.random.key(seed + 1)).astype(mx.bfloat16)
-    r = (mx.random.normal((m, n), key=mx.random.key(seed + 2)) * 4).astype(mx.bfloat16)
-    nw = mx.random.uniform(0.5, 1.5, (n,), key=mx.random.key(seed + 3)).astype(mx.bfloat16)
-    return x, r, nw, (w, scales, biases)
-
-
-@pytest.mark.parametrize("bits", qm.BITS)
-def test_emulated_cuda_residual_add_begins_the_next_norm(bits):
-    """The launch that makes h = residual + product also stores h times the next norm's weight
-    (as MLX multiplies two bf16 arrays) and each 16-row tile's sum of h's squares (40 rows: a
-    partial last tile); h is the residual variant's, bitwise; every output's rows are
-    M-invariant, bitwise."""
-    x, r, nw, weights = _residual_inputs(bits, seed=70 + bits)
-    added = _cuda_qmm(x, *weights, 64, bits, residual=r)
-    got = {m: _cuda_qmm(x[:m], *weights, 64, bits, residual=r[:m], variant=BEGINS, norm_w=nw)
-           for m in (1, 3, 8)}  # fmt: skip
-    h = mx.array(got[8]["y"]).astype(mx.bfloat16)
-    assert np.array_equal(got[8]["y"], added)
-    assert np.array_equal(got[8]["y_w"], np.array((h * nw).astype(mx.float32)))
-    assert got[8]["y_sums"].shape == (8, 3)
-    np.testing.assert_allclose(got[8]["y_sums"], np.array(qm.tile_sums(h)), rtol=1e-5)
-    for m in (1, 3):
-        for name in ("y", "y_w", "y_sums"):
-            assert np.array_equal(got[m][name], got[8][name][:m]), (m, name)
-
-
-@pytest.mark.parametrize("swiglu_out", [False, True], ids=["plain", "swiglu"])
-@pytest.mark.parametrize("bits", qm.BITS)
-def test_emulated_cuda_product_finishes_a_begun_norm(bits, swiglu_out):
-    """Given h times the norm's weight and h's tile sums, the plain loop's outputs scaled by
-    rsqrt(mean + eps) are the in-loop norm variant's arithmetic (float64 reference), up to
-    the order its squares are added in; with swiglu, silu(gate) * up of those; rows
-    M-invariant, bitwise."""
-    h, nw, w, scales, biases = _norm_inputs(bits, seed=80 + bits)
-    scaled, sums = h * nw, np.array(qm.tile_sums(h))
-    variant = qm.Variant(sums_eps=1e-6, swiglu=swiglu_out)
-    got = {m: _cuda_qmm(scaled[:m], w, scales, biases, 64, bits, variant=variant,
-                        x_sums=sums[:m]) for m in (1, 3, 8)}  # fmt: skip
-    want = _normed_reference(h, nw, w, scales, biases, bits)
-    if swiglu_out:
-        want = _silu_times(want[:, :20], want[:, 20:])
-    np.testing.assert_allclose(got[8], want, rtol=2**-6, atol=1e-3)
-    assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
-    in_loop = _cuda_qmm(h, w, scales, biases, 64, bits, norm_w=nw,
-                        variant=qm.Variant(1e-6, swiglu=swiglu_out))  # fmt: skip
-    np.testing.assert_allclose(got[8], in_loop, rtol=2**-6, atol=1e-3)
-
-
-def test_emulated_cuda_norm_in_two_launches_equals_the_norm_in_one():
-    """A residual add that begins the norm, then the product that finishes it, against the
-    same add then the in-loop norm variant: the same values, up to the squares' order."""
-    x, r, nw, weights = _residual_inputs(4, seed=90, n=256, k=256, m=3)
-    begun = _cuda_qmm(x, *weights, 64, 4, residual=r, variant=BEGINS, norm_w=nw)
-    w2, s2, b2 = qm.random_quantized(24, 256, 64, 4, mx.bfloat16, seed=91)
-    scaled = mx.array(begun["y_w"]).astype(mx.bfloat16)
-    got = _cuda_qmm(scaled, w2, s2, b2, 64, 4, variant=FINISHES, x_sums=begun["y_sums"])
-    h = mx.array(begun["y"]).astype(mx.bfloat16)
-    one = _cuda_qmm(h, w2, s2, b2, 64, 4, variant=qm.Variant(1e-6), norm_w=nw)
-    np.testing.assert_allclose(got, one, rtol=2**-7, atol=1e-3)
-    assert np.abs(got).max() > 0.1  # not vacuous
-
-
-BROKEN_NORM_SPLITS = [  # (variant, a mistake spliced into its CUDA source, the output it breaks)
-    (BEGINS, ("off < 32; off <<= 1", "off < 16; off <<= 1"), "y_sums"),  # half a tile's rows
-    (BEGINS, ("static_cast<float>(norm_w[row])", "static_cast<float>(norm_w[0])"), "y_w"),
-    (FINISHES, ("s = s + x_sums[(size_t)m * P + p]", "s = s + x_sums[p]"), "y"),  # row 0's
-    (FINISHES, ("p += 32", "p += 64"), "y"),  # half the partial sums
-]
-
-
-@pytest.mark.parametrize("variant,mistake,output", BROKEN_NORM_SPLITS)
-def test_emulation_catches_a_broken_norm_split(variant, mistake, output):
-    """The two launches' tests can fail: each mistake changes the output it touches."""
-    x, r, nw, (w, scales, biases) = _residual_inputs(4, seed=95, n=40, k=1024, m=3)
-    if variant.emits:
-        kw = {"residual": r, "norm_w": nw}
-    else:  # 1024 features: 64 partial sums, two a lane
-        h = (mx.random.normal((3, 1024), key=mx.random.key(96)) * 3).astype(mx.bfloat16)
-        h = h * (1 + mx.arange(3)[:, None]).astype(mx.bfloat16)  # rows of different scales
-        x, kw = h, {"x_sums": np.array(qm.tile_sums(h))}
-    good = _cuda_qmm(x, w, scales, biases, 64, 4, variant=variant, **kw)
-    text = qm.source(False, variant)
-    assert text.count(mistake[0]) == 1
-    bad = _cuda_qmm(x, w, scales, biases, 64, 4, variant=variant, source=text.replace(*mistake),
-                    **kw)  # fmt: skip
-    if variant.emits:
-        good, bad = good[output], bad[output]
-    assert np.abs(bad - good).max() > 1e-2 * np.abs(good).max()
-
-
-def test_emulated_metal_norm_in_two_launches():
-    """The Metal mirror (float activations): the add that begins the norm stores h (the
-    residual variant's, bitwise), h times the weight and h's tile sums; the product that
-    finishes it matches the norm's float64 arithmetic; rows M-invariant, bitwise."""
-    rng = np.random.default_rng(97)
-    quantized = mx.quantize(mx.array(rng.standard_normal((40, 512), dtype=np.float32)),
-                            group_size=64, bits=4)  # fmt: skip
-    w, scales, biases = (np.array(a) for a in quantized)
-    x = rng.standard_normal((8, 512), dtype=np.float32)
-    r = rng.standard_normal((8, 40), dtype=np.float32) * 4
-    nw = rng.uniform(0.5, 1.5, 40).astype(np.float32)
-    got = {m: _metal_qmm(x[:m], w, scales, biases, 64, 4, residual=r[:m], variant=BEGINS,
-                         norm_w=nw) for m in (1, 3, 8)}  # fmt: skip
-    h = got[8]["y"]
-    assert np.array_equal(h, _metal_qmm(x, w, scales, biases, 64, 4, residual=r))
-    assert np.array_equal(got[8]["y_w"], h * nw)
-    np.testing.assert_allclose(got[8]["y_sums"], np.array(qm.tile_sums(mx.array(h))), rtol=1e-5)
-    for m in (1, 3):
-        for name in ("y", "y_w", "y_sums"):
-            assert np.array_equal(got[m][name], got[8][name][:m]), (m, name)
-    # the product that finishes a norm over 512 features
-    h2 = rng.standard_normal((8, 512), dtype=np.float32) * 3
-    nw2 = rng.uniform(0.5, 1.5, 512).astype(np.float32)
-    sums = np.array(qm.tile_sums(mx.array(h2)))
-    fin = {m: _metal_qmm(h2[:m] * nw2, w, scales, biases, 64, 4, variant=FINISHES,
-                         x_sums=sums[:m]) for m in (1, 3, 8)}  # fmt: skip
-    want = _metal_norm_reference(h2, nw2, w, scales, biases, 4)
-    np.testing.assert_allclose(fin[8], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
-    assert np.array_equal(fin[1], fin[8][:1]) and np.array_equal(fin[3], fin[8][:3])
-
-
-# The gated variant: the out projection of a gated-delta layer applies that layer's gated norm
-# (kernels/gated_norm.py) as it loads its input.
-GATED = qm.Variant(gate_eps=1e-6)
-
-
-def _gate_inputs(bits: int, seed: int, m: int = 8, k: int = 512, offset: int = 16):
-    """y [m, k] (k / D heads of D = 16 * 32 / bits values), a gate whose z is columns
-    [offset, offset + k) of a wider source, the norm's weight [D], and weights [40, k]; bf16."""
-    d = 16 * 32 // bits
-    ky, kz, kw = mx.random.split(mx.random.key(seed), 3)
-    y = (mx.random.normal((m, k), key=ky) * 2).astype(mx.bfloat16)
-    source = (mx.random.normal((m, k + 48), key=kz) * 3).astype(mx.bfloat16)
-    gw = mx.random.uniform(0.5, 1.5, (d,), key=kw).astype(mx.bfloat16)
-    weights = qm.random_quantized(40, k, 64, bits, mx.bfloat16, seed=seed + 1)
-    return y, qm.Gate(source, offset, gw, 1e-6), weights
-
-
-def _gated_norm_then(y, gate: qm.Gate, metal: bool = False) -> mx.array:
-    """The standalone gated-norm kernel (emulated) on y's heads: [m, k], as the product reads
-    its input (bf16; float32 values for Metal)."""
-    from test_gated_norm import _emulated  # tests/test_gated_norm.py
-
-    m, k = y.shape
-    d = gate.weight.shape[0]
-    z = gate.source[:, gate.offset : gate.offset + k]
-    out = _emulated(y.reshape(1, m, k // d, d), z.reshape(1, m, k // d, d), gate.weight, metal)
-    return mx.array(out.reshape(m, k)).astype(mx.float32 if metal else mx.bfloat16)
-
-
-@pytest.mark.parametrize("residual", [False, True], ids=["plain", "add"])
-@pytest.mark.parametrize("bits", qm.BITS)
-def test_emulated_cuda_gated_product_is_the_gated_norm_kernel_then_the_product(bits, residual):
-    """One launch gives the bits of the standalone gated-norm kernel followed by the product
-    (and the residual add): the fold changes no token. Rows M-invariant, bitwise; near
-    mlx-lm's gated norm times the weights as dequantized, in float64."""
-    y, gate, weights = _gate_inputs(bits, seed=100 + bits)
-    r = (mx.random.normal((8, 40), key=mx.random.key(7)) * 4).astype(mx.bfloat16)
-    add = {"residual": r} if residual else {}
-    want = _cuda_qmm(_gated_norm_then(y, gate), *weights, 64, bits, **add)
-    variant = dataclasses.replace(GATED, residual=residual)
-    got = {}
-    for m in (1, 3, 8):
-        gate_m = qm.Gate(gate.source[:m], gate.offset, gate.weight, gate.eps)
-        add_m = {"residual": r[:m]} if residual else {}
-        got[m] = _cuda_qmm(y[:m], *weights, 64, bits, variant=variant, gate=gate_m, **add_m)
-    assert np.array_equal(got[8], want)
-    assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
-    normed = gate.apply_flat(y, gn.gated_norm_ops)
-    ref = _as_dequantized(normed, *weights, 64, bits) + (
-        np.array(r.astype(mx.float32)) if residual else 0
-    )
-    np.testing.assert_allclose(got[8], ref, rtol=2**-6, atol=1e-2 * np.abs(ref).max())
-
-
-BROKEN_GATES = [  # a mistake spliced into the gated variant's CUDA source
-    ("off < 32; off <<= 1) ss = ss + __shfl", "off < 16; off <<= 1) ss = ss + __shfl"),  # half
-    ("z_shape[z_ndim - 1] + Z_OFF", "z_shape[z_ndim - 1]"),  # z from the source's first columns
-    ("gate_w[lane * NPT + i]", "gate_w[i]"),  # the weight of the lane's first values
-    ("(1.0f + expf(-gz))", "(1.0f + expf(gz))"),  # the wrong gate
-    ("(warp * 8 + g) * 16 * VPW", "(warp * 8) * 16 * VPW"),  # every row multiplies row 0
-]
-
-
-@pytest.mark.parametrize("mistake", BROKEN_GATES)
-def test_emulation_catches_a_broken_gated_product(mistake):
-    y, gate, weights = _gate_inputs(4, seed=110, m=3)
-    good = _cuda_qmm(y, *weights, 64, 4, variant=GATED, gate=gate)
-    text = qm.source(False, GATED)
-    assert text.count(mistake[0]) == 1
-    bad = _cuda_qmm(y, *weights, 64, 4, variant=GATED, gate=gate, source=text.replace(*mistake))
-    assert np.abs(bad - good).max() > 1e-2 * np.abs(good).max()
-
-
-@pytest.mark.parametrize("bits", qm.BITS)
-def test_emulated_metal_gated_product_is_the_gated_norm_kernel_then_the_product(bits):
-    """The Metal mirror (float activations): the standalone kernel's Metal spelling, then the
-    Metal product, bitwise; rows M-invariant, bitwise."""
-    y, gate, weights = _gate_inputs(bits, seed=120 + bits)
-    w, scales, biases = weights
-    arrays = [np.array(w)] + [np.array(a.astype(mx.float32)) for a in (scales, biases)]
-    f32 = (y.astype(mx.float32), gate.source.astype(mx.float32), gate.weight.astype(mx.float32))
-    yf, gate = np.array(f32[0]), qm.Gate(f32[1], gate.offset, f32[2], gate.eps)
-    want = _metal_qmm(np.array(_gated_norm_then(f32[0], gate, metal=True)), *arrays, 64, bits)
-    got = {m: _metal_qmm(yf[:m], *arrays, 64, bits, variant=GATED,
-                         gate=(np.array(gate.source[:m]), gate.offset, np.array(gate.weight)))
-           for m in (1, 3, 8)}  # fmt: skip
-    assert np.array_equal(got[8], want)
-    assert np.array_equal(got[1], got[8][:1]) and np.array_equal(got[3], got[8][:3])
-
-
-# The gated-delta kernel with the convolution folded in ("conv" variant): it reads the input
-# projection's qkv and the conv window, and also writes the conv's window and inputs.
-
-
 def _conv_layer_inputs(T: int, seed: int = 0, heads=(HK, DK, HV, DV), K: int = 4) -> dict:
     """The folded kernel's inputs: qkv a view into a wider projection output, the window a view
     into a verify's inputs (as a rollback leaves it), float32."""
@@ -781,12 +530,12 @@ def _emulate_conv(x: dict, keep: bool, heads=(HK, DK, HV, DV), source: str | Non
     outputs |= {"states": (T - 1, 1, hv, dv, dk)} if keep else {}
     outputs |= {"inputs": (1, K - 1 + T, nc), "window_out": (1, K - 1, nc)}
     out = cuda_emulation.run(
-        source or gd._source(False, keep, True, conv=True),
+        source or gd._source(False, keep, conv=True),
         x,
         outputs,
         {"Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, **layout, "CK": K},
         *gd._geometry(1, hv, dv, layout),
-        header=gd._spec(True, keep, True, conv=True)["header"] if metal else "",
+        header=gd._spec(True, keep, conv=True)["header"] if metal else "",
     )
     return list(out.values())
 
@@ -803,7 +552,7 @@ def _conv_reference(x: dict, keep: bool, heads=(HK, DK, HV, DV)) -> list[np.ndar
 @pytest.mark.parametrize("T, keep", [(1, False), (3, True), (3, False), (11, True)])
 def test_emulated_folded_conv_kernel_matches_the_reference(metal, T, keep):
     x = _conv_layer_inputs(T, seed=60 + T)
-    got = _emulate_conv(x, keep, source=gd._source(metal, keep, True, conv=True), metal=metal)
+    got = _emulate_conv(x, keep, source=gd._source(metal, keep, conv=True), metal=metal)
     want = _conv_reference(x, keep)
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
@@ -818,7 +567,7 @@ def test_emulated_folded_conv_kernel_covers_wide_key_heads(metal):
     runs is caught)."""
     heads = (1, 128, 2, 16)
     x = _conv_layer_inputs(3, seed=5, heads=heads)
-    source = gd._source(metal, True, True, conv=True)
+    source = gd._source(metal, True, conv=True)
     want = _conv_reference(x, True, heads=heads)
     got = _emulate_conv(x, True, heads=heads, source=source, metal=metal)
     for g, w in zip(got, want, strict=True):
@@ -857,8 +606,8 @@ def test_the_wrapper_hands_the_folded_kernel_float32_conv_weights(monkeypatch):
     w16 = mx.array(x["conv_w"]).astype(mx.bfloat16)
     seen = {}
 
-    def emulated(keep, raw=False, conv=False, bounds=None):
-        spec = gd._spec(False, keep, raw, conv, bounds)
+    def emulated(keep, conv=False, bounds=None):
+        spec = gd._spec(False, keep, conv, bounds)
 
         def kernel(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
             seen.update(zip(spec["input_names"], inputs, strict=True))
@@ -917,12 +666,12 @@ def test_emulated_folded_conv_kernel_at_fewer_lanes_a_row(monkeypatch, metal, la
     monkeypatch.setattr(gd, "_LANES", lanes)
     heads = (2, 128, 4, 8 * rows)  # a threadgroup's WARPS x R value rows fill Dv
     x = _conv_layer_inputs(3, seed=31, heads=heads)
-    source = gd._source(metal, True, True, conv=True)
+    source = gd._source(metal, True, conv=True)
     got = _emulate_conv(x, True, heads=heads, source=source, rows=rows, metal=metal)
     want = _conv_reference(x, True, heads=heads)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
-    one = gd._source(metal, False, True, conv=True)
+    one = gd._source(metal, False, conv=True)
     cy, cfinal, cstates, cwindow = _chained_conv(x, heads=heads, source=one, rows=rows,
                                                  metal=metal)  # fmt: skip
     assert np.array_equal(cy, got[0]) and np.array_equal(cfinal, got[1])
@@ -948,7 +697,7 @@ def test_emulated_folded_conv_kernel_at_fewer_lanes_a_row(monkeypatch, metal, la
 def test_emulation_catches_a_broken_folded_conv(old, new, output):
     """Each of these mistakes changes the output it touches."""
     x = _conv_layer_inputs(3, seed=12)
-    source = gd._source(False, True, True, conv=True)
+    source = gd._source(False, True, conv=True)
     assert old in source
     got = _emulate_conv(x, keep=True, source=source.replace(old, new))[output]
     assert not np.allclose(got, _conv_reference(x, keep=True)[output], rtol=1e-4, atol=1e-5)
@@ -967,16 +716,16 @@ def test_emulated_wide_block_is_bitwise_narrow_and_chained(monkeypatch, metal, T
     assert gd._layout(*WIDE_HEADS[::2], WIDE_HEADS[3], 1)["HPT"] == 1
     x = _conv_layer_inputs(T, seed=40 + T, heads=WIDE_HEADS)
     kw = {"heads": WIDE_HEADS, "metal": metal}
-    wide = _emulate_conv(x, True, source=gd._source(metal, True, True, conv=True), **kw)
+    wide = _emulate_conv(x, True, source=gd._source(metal, True, conv=True), **kw)
     for g, w in zip(wide, _conv_reference(x, True, heads=WIDE_HEADS), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
     cy, cfinal, cstates, cwindow = _chained_conv(
-        x, source=gd._source(metal, False, True, conv=True), **kw
+        x, source=gd._source(metal, False, conv=True), **kw
     )
     assert np.array_equal(cy, wide[0]) and np.array_equal(cfinal, wide[1])
     assert np.array_equal(cstates, wide[2]) and np.array_equal(cwindow, wide[4])
     monkeypatch.setattr(gd, "_WIDE", None)
-    narrow = _emulate_conv(x, True, source=gd._source(metal, True, True, conv=True), **kw)
+    narrow = _emulate_conv(x, True, source=gd._source(metal, True, conv=True), **kw)
     assert all(np.array_equal(a, b) for a, b in zip(wide, narrow, strict=True))
 
 
@@ -993,7 +742,7 @@ def test_emulation_catches_a_broken_wide_block(old, new, output):
     """11 steps: a key head's q/k inputs (2 x 32 channels x 14 slots) outnumber a wide
     threadgroup's 768 threads, so its copy loop turns."""
     x = _conv_layer_inputs(11, seed=44, heads=WIDE_HEADS)
-    source = gd._source(False, True, True, conv=True)
+    source = gd._source(False, True, conv=True)
     assert old in source
     got = _emulate_conv(x, True, heads=WIDE_HEADS, source=source.replace(old, new))[output]
     want = _conv_reference(x, True, heads=WIDE_HEADS)[output]

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from mtpcli import kernels
-from mtpcli.errors import UsageError
 from mtpcli.kernels import gated_delta as gd
 
 cuda = pytest.mark.skipif(not kernels.available("cuda"), reason="needs MLX's CUDA backend")
@@ -75,12 +74,44 @@ def test_reference_matches_a_float64_recurrence():
     assert np.allclose(S, np.array(final), rtol=1e-4, atol=1e-5)
 
 
-def test_mode_switch_is_validated(monkeypatch):
-    with pytest.raises(UsageError):
-        kernels.set_mode("fast")
-    monkeypatch.setitem(kernels._state, "mode", None)
-    monkeypatch.setenv("MTP_KERNELS", "ops")
-    assert kernels.mode() == "ops"
+def _raw(T=5, hk=2, hv=4, dk=32, dv=16, dtype=mx.bfloat16, seed=0):
+    """The layer's raw inputs: q, k (not normalised), v, a, b, A_log, dt_bias, the state."""
+    q, k, v, g, beta, state = _inputs(T=T, hk=hk, hv=hv, dk=dk, dv=dv, dtype=dtype, seed=seed)
+    a, b = (g * 4 - 3).astype(dtype), (beta * 6 - 3).astype(dtype)
+    A_log, dt_bias = mx.linspace(-2, 1, hv), mx.linspace(-1, 1, hv).astype(mx.bfloat16)
+    return q * 3, k * 3, v, a, b, A_log, dt_bias, state
+
+
+def _raw_chain(fn, q, k, v, a, b, A_log, dt_bias, state):
+    """``fn`` one step at a time over the raw inputs, each from the last one's state."""
+    ys, states = [], []
+    for t in range(q.shape[1]):
+        y, state, _ = fn(*(x[:, t : t + 1] for x in (q, k, v, a, b)), A_log, dt_bias, state)
+        ys.append(y)
+        states.append(state)
+    kept = mx.stack(states[:-1]) if len(states) > 1 else mx.zeros((0, *state.shape))
+    return mx.concatenate(ys, axis=1), state, kept
+
+
+def test_the_mode_decides_whether_the_native_kernel_runs(pretend_gpu):
+    """``ops`` never runs the native kernel; ``native`` runs it without its check; ``auto``
+    checks it once, then runs it."""
+    kernels.reset_verdicts()
+    calls = []
+
+    def native(*a, **kw):
+        calls.append(a[0].shape[1])  # T
+        return gd.gated_delta_raw_ops(*a, **kw)
+
+    pretend_gpu(gd, "gated_delta_raw_native", native)
+    args = _raw()
+    gd.gated_delta_raw(*args, mode="ops")
+    assert calls == []
+    gd.gated_delta_raw(*args, mode="native")
+    assert calls == [5]
+    gd.gated_delta_raw(*args, mode="auto")
+    assert calls == [5, 1, 3, 5]  # the self-check, narrow and wide, then the real call
+    kernels.reset_verdicts()
 
 
 @pytest.mark.parametrize(
@@ -92,38 +123,20 @@ def test_mode_switch_is_validated(monkeypatch):
     ],
     ids=["values", "shape"],
 )  # fmt: skip
-def test_wrong_native_kernel_is_caught_and_replaced(monkeypatch, wrong, warning):
+def test_wrong_native_kernel_is_caught_and_replaced(pretend_gpu, wrong, warning):
     """A native kernel that disagrees with the reference is never used: warn, fall back
     (never a traceback for the user)."""
-    monkeypatch.setitem(kernels._state, "mode", "auto")
     kernels.reset_verdicts()
-    monkeypatch.setattr(gd, "backend", lambda: "cuda")
 
-    def broken(q, k, v, g, beta, state, *, keep_states=False):
-        y, s, ss = gd.gated_delta_ops(q, k, v, g, beta, state, keep_states=keep_states)
+    def broken(*args, keep_states=False):
+        y, s, ss = gd.gated_delta_raw_ops(*args, keep_states=keep_states)
         return wrong(y), s, ss
 
-    monkeypatch.setattr(gd, "gated_delta_native", broken)
-    args = _inputs()
+    pretend_gpu(gd, "gated_delta_raw_native", broken)
+    args = _raw()
     with pytest.warns(RuntimeWarning, match=warning):
-        y, _, _ = gd.gated_delta(*args)
-    assert _bitwise(y, gd.gated_delta_ops(*args)[0])
-    kernels.reset_verdicts()
-
-
-def test_agreeing_native_kernel_is_used(monkeypatch):
-    monkeypatch.setitem(kernels._state, "mode", "auto")
-    kernels.reset_verdicts()
-    monkeypatch.setattr(gd, "backend", lambda: "cuda")
-    calls = []
-
-    def native(*a, **kw):
-        calls.append(a[0].shape[1])  # T
-        return gd.gated_delta_ops(*a, **kw)
-
-    monkeypatch.setattr(gd, "gated_delta_native", native)
-    gd.gated_delta(*_inputs())
-    assert calls == [1, 3, 5]  # the self-check, narrow and wide, then the real call
+        y, _, _ = gd.gated_delta_raw(*args)
+    assert _bitwise(y, gd.gated_delta_raw_ops(*args)[0])
     kernels.reset_verdicts()
 
 
@@ -132,9 +145,9 @@ def test_agreeing_native_kernel_is_used(monkeypatch):
 @pytest.mark.parametrize("shape", [(2, 4, 32, 16), (16, 48, 128, 128)], ids=["tiny", "27b"])
 def test_cuda_kernel_matches_reference(dtype, shape):
     hk, hv, dk, dv = shape
-    args = _inputs(T=4, hk=hk, hv=hv, dk=dk, dv=dv, dtype=dtype, seed=3)
-    got = gd.gated_delta_native(*args, keep_states=True)
-    want = gd.gated_delta_ops(*args, keep_states=True)
+    args = _raw(T=4, hk=hk, hv=hv, dk=dk, dv=dv, dtype=dtype, seed=3)
+    got = gd.gated_delta_raw_native(*args, keep_states=True)
+    want = gd.gated_delta_raw_ops(*args, keep_states=True)
     tol = 1e-4 if dtype == mx.float32 else 2e-2
     for a, b in zip(got, want, strict=True):
         assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), rtol=tol, atol=tol).item()
@@ -145,16 +158,15 @@ def test_cuda_kernel_matches_reference(dtype, shape):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_cuda_kernel_chain_parity(T, dtype):
     """T steps in one launch == T one-step launches, bitwise (outputs and every state)."""
-    args = _inputs(T=T, hk=16, hv=48, dk=128, dv=128, dtype=dtype, seed=T)
-    y, final, states = gd.gated_delta_native(*args, keep_states=True)
-    cy, cfinal, cstates = _chain(lambda *a: gd.gated_delta_native(*a), *args)
+    args = _raw(T=T, hk=16, hv=48, dk=128, dv=128, dtype=dtype, seed=T)
+    y, final, states = gd.gated_delta_raw_native(*args, keep_states=True)
+    cy, cfinal, cstates = _raw_chain(gd.gated_delta_raw_native, *args)
     assert _bitwise(y, cy) and _bitwise(final, cfinal) and _bitwise(states, cstates)
 
 
-@pytest.mark.parametrize("raw, conv", [(False, False), (True, False), (True, True)],
-                         ids=["plain", "raw", "conv"])  # fmt: skip
+@pytest.mark.parametrize("conv", [False, True], ids=["raw", "conv"])
 @pytest.mark.parametrize("keep", [False, True], ids=["", "keep"])
-def test_metal_source_mirrors_cuda_line_by_line(keep, raw, conv):
+def test_metal_source_mirrors_cuda_line_by_line(keep, conv):
     """The Metal kernel cannot run here; keep it a line-for-line mirror of the tested CUDA one."""
     metal_to_cuda = [
         ("thread_index_in_simdgroup", "threadIdx.x & 31"),
@@ -171,13 +183,13 @@ def test_metal_source_mirrors_cuda_line_by_line(keep, raw, conv):
         ("rsqrt(", "rsqrtf("), ("exp(", "expf("), ("log(", "logf("), ("fmax(", "fmaxf("),
         ("fabs(", "fabsf("), ("fma(", "fmaf("),
     ]  # fmt: skip
-    metal = gd._source(True, keep, raw, conv)
+    metal = gd._source(True, keep, conv)
     for a, b in metal_to_cuda:
         metal = metal.replace(a, b)
     # CUDA aligns the shared q/k so that a run reads as one 16-byte load; Metal reads words.
-    cuda = gd._source(False, keep, raw, conv).replace("__align__(16) ", "")
+    cuda = gd._source(False, keep, conv).replace("__align__(16) ", "")
     assert metal.splitlines() == cuda.splitlines()
-    assert ("states +" in cuda) == keep and ("A_log[hv]" in cuda) == raw
+    assert ("states +" in cuda) == keep and "A_log[hv]" in cuda
     assert ("conv_w[" in cuda) == conv
 
 
@@ -216,14 +228,13 @@ def test_cuda_raw_kernel_passes_its_check_and_keeps_chain_parity(dtype):
 def test_kernel_names_change_with_their_source(monkeypatch):
     """MLX's CUDA backend caches compiled kernels on disk by name: a new source needs a new name,
     or an upgraded install would run the old machine code."""
-    from mtpcli.kernels import quantized_matmul as qm
+    from mtpcli.kernels import qmm_kernel as qm
 
-    variants = [(False, False), (True, False), (True, True)]  # (raw, conv)
-    names = {gd._spec(False, keep, *v)["name"] for keep in (False, True) for v in variants}
-    assert len(names) == 6
-    before = gd._spec(False, True, True)["name"]
+    names = {gd._spec(False, keep, conv)["name"] for keep in (False, True) for conv in (0, 1)}
+    assert len(names) == 4
+    before = gd._spec(False, True)["name"]
     monkeypatch.setattr(gd, "_TEMPLATE", gd._TEMPLATE.replace("hl == 0", "hl == 1"))
-    assert gd._spec(False, True, True)["name"] != before
+    assert gd._spec(False, True)["name"] != before
     names = {
         qm._spec(metal, "", v)["name"]
         for metal in (False, True)
@@ -314,7 +325,7 @@ def test_a_wrong_folded_kernel_is_refused_and_the_two_launches_run(monkeypatch, 
 
 
 @pytest.mark.filterwarnings("ignore:gated_delta_raw kernel")  # no raw kernel on this CPU
-def test_an_agreeing_folded_kernel_is_used_unless_switched_off(monkeypatch, pretend_gpu):
+def test_an_agreeing_folded_kernel_is_used_unless_the_mode_is_ops(pretend_gpu):
     kernels.reset_verdicts()
     calls = []
 
@@ -325,9 +336,8 @@ def test_an_agreeing_folded_kernel_is_used_unless_switched_off(monkeypatch, pret
     pretend_gpu(gd, "gated_delta_conv_native", native)
     gd.gated_delta_conv(*_conv_args(T=4))
     assert calls == [1, 3, 4]  # the self-check, narrow and wide, then the real call
-    monkeypatch.setattr(gd, "FUSE_CONV", False)
-    gd.gated_delta_conv(*_conv_args())
-    assert calls == [1, 3, 4]  # the two launches' paths instead
+    gd.gated_delta_conv(*_conv_args(), mode="ops")
+    assert calls == [1, 3, 4]  # the references instead
     kernels.reset_verdicts()
 
 

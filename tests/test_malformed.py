@@ -229,10 +229,6 @@ def test_usage_errors(ckpts, capsys):
     ):
         _assert_cli_error(["generate", "-m", t, "-p", "x", *extra], capsys)
     _assert_cli_error(["bench", "--qmm", "fast"], capsys)
-    from mtpcli import kernels
-
-    kernels.set_qmm(None)  # the refused value must not linger for later tests
-    kernels.set_mode("auto")
 
 
 def test_engine_refuses_batches(load):

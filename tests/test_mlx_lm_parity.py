@@ -8,10 +8,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model
 
-from mtpcli import kernels
 from mtpcli.config import load_config
 from mtpcli.engine.classic import generate_classic
 from mtpcli.models.qwen3_5 import load_target
+from mtpcli.options import Options
 
 PROMPTS = [[7], [72, 101, 108, 108, 111, 32, 119], [(i * 13) % 250 for i in range(90)]]
 
@@ -31,11 +31,9 @@ def test_classic_tokens_equal_mlx_lm_greedy(ckpts, monkeypatch, moe, bits, layou
                                             qmm, kernel_mode):  # fmt: skip
     """qmm "ours": our product's layers installed, whose reference path on the CPU (the
     residual added after the product, as MLX adds it) must still give mlx-lm's tokens."""
-    monkeypatch.setitem(kernels._state, "mode", kernel_mode)
-    monkeypatch.setitem(kernels._state, "qmm", qmm)
     path = ckpts.target(moe=moe, bits=bits, layout=layout, predictable=predictable, seed=3)
     theirs_model, _ = load_model(path)
-    ours = load_target(path, load_config(path))
+    ours = load_target(path, load_config(path), Options(kernels=kernel_mode, qmm=qmm))
     for prompt in PROMPTS:
         want = [
             int(t)

@@ -15,9 +15,8 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from .. import kernels
 from ..config import ModelConfig
-from ..kernels import quantized_matmul
+from ..models.quantized_layers import install
 from ..models.qwen3_5 import (
     LayerFunctions,
     attention_core,
@@ -25,6 +24,7 @@ from ..models.qwen3_5 import (
     attention_pre,
     residual_mlp,
 )
+from ..options import Options
 from ..weights import load_arrays, load_module_weights, sanitize_drafter
 
 
@@ -48,14 +48,16 @@ class Qwen35MTP(nn.Module):
 class Qwen35MTPDrafter:
     """A loaded drafter bound to a target's embedding."""
 
-    def __init__(self, module: Qwen35MTP, config: ModelConfig, embed_tokens: nn.Module):
+    def __init__(self, module: Qwen35MTP, config: ModelConfig, embed_tokens: nn.Module,
+                 options: Options = Options()):  # fmt: skip
         self.module = module
         self.config = config
-        if kernels.qmm() == "ours":
-            quantized_matmul.install(module)
+        self.mode = options.kernels
+        if options.ours:
+            install(module, self.mode)
         self.block_size = config.block_size or 3
         self.embed_tokens = embed_tokens
-        self.functions = LayerFunctions()  # as the target's: compiled for short blocks
+        self.functions = LayerFunctions(options.compile)  # as the target's: short blocks
 
     def make_cache(self) -> list:
         return [KVCache() for _ in self.module.layers]
@@ -67,11 +69,11 @@ class Qwen35MTPDrafter:
         mask = create_attention_mask(h, cache[0])
         for i, (layer, c) in enumerate(zip(m.layers, cache, strict=True)):
             q, k, v, gate = fns.get(("pre", i), lambda ly=layer: attention_pre(ly), compiled)(h)
-            o = attention_core(layer.self_attn, q, k, v, gate, mask, c)
+            o = attention_core(layer.self_attn, q, k, v, gate, mask, c, self.mode)
             post = fns.get(
                 ("post", i), lambda ly=layer: attention_post(ly, residual_mlp(ly.mlp)), compiled
             )
-            (h,) = post(h, o)  # the stream: this head's MLP begins no norm
+            h = post(h, o)
         fns.end(L)
         return m.norm(h)
 
@@ -88,8 +90,9 @@ class Qwen35MTPDrafter:
         return cache[0].offset
 
 
-def load_drafter(model_dir: Path, config: ModelConfig, embed_tokens: nn.Module) -> Qwen35MTPDrafter:
+def load_drafter(model_dir: Path, config: ModelConfig, embed_tokens: nn.Module,
+                 options: Options = Options()) -> Qwen35MTPDrafter:  # fmt: skip
     module = Qwen35MTP(config)
     weights = sanitize_drafter(load_arrays(model_dir))
     load_module_weights(module, weights, config.quantization, str(model_dir))
-    return Qwen35MTPDrafter(module, config, embed_tokens)
+    return Qwen35MTPDrafter(module, config, embed_tokens, options)

@@ -12,6 +12,7 @@ from ..errors import (
     NonFiniteOutputError,
     UsageError,
 )
+from ..models import Target
 
 
 @dataclass
@@ -89,7 +90,7 @@ def prompt_array(prompt) -> mx.array:
     return arr.astype(mx.int32)
 
 
-def check_room(target, prompt_tokens: int, max_tokens: int) -> None:
+def check_room(target: Target, prompt_tokens: int, max_tokens: int) -> None:
     """Refuse a generation that would run past the model's positions (or forever)."""
     limit = target.config.text.max_position_embeddings
     if prompt_tokens + max_tokens > limit:
@@ -100,7 +101,7 @@ def check_room(target, prompt_tokens: int, max_tokens: int) -> None:
         )
 
 
-def first_logits(target, hidden: mx.array) -> mx.array:
+def first_logits(target: Target, hidden: mx.array) -> mx.array:
     """The logits [V] after the prefill's hidden states [1, L, H], checked to be numbers: NaN
     or Inf there means the weights are broken, and decoding them would print garbage with a
     clean exit."""

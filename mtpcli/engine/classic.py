@@ -7,12 +7,13 @@ from collections.abc import Iterable, Iterator
 
 import mlx.core as mx
 
+from ..models import Target
 from . import GenerationStats, check_room, first_logits, prompt_array
 from .sampling import SamplingParams, pick
 
 
 def generate_classic(
-    target,
+    target: Target,
     prompt,
     *,
     max_tokens: int,

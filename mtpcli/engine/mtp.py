@@ -13,16 +13,16 @@ from collections.abc import Iterable, Iterator
 
 import mlx.core as mx
 
+from ..config import check_block_size
 from ..drafters import Drafter
-from ..errors import UsageError
-from ..models.qwen3_5 import Qwen35Target, cache_arrays, rollback
+from ..models import Target
 from . import GenerationStats, MTPStats, check_room, first_logits, prompt_array
 from .sampling import SamplingParams, accept, greedy, pick, positions, probs
 
 
 def draft(
     drafter: Drafter,
-    target: Qwen35Target,
+    target: Target,
     tokens: mx.array,
     hidden: mx.array,
     cache: list,
@@ -54,7 +54,7 @@ def draft(
 
 
 def generate_mtp(
-    target: Qwen35Target,
+    target: Target,
     drafter: Drafter,
     prompt,
     *,
@@ -69,8 +69,7 @@ def generate_mtp(
 
     ``propose`` makes the drafts (``draft``'s signature); benchmarks swap in a wrapper.
     """
-    if not 2 <= block_size <= 16:
-        raise UsageError(f"block size must be in [2, 16], got {block_size}")
+    check_block_size(block_size)
     stats = stats if stats is not None else GenerationStats()
     stats.mtp = rs = MTPStats(block_size)
     eos, k = set(eos_ids), block_size - 1
@@ -107,8 +106,8 @@ def generate_mtp(
             drafter.trim(dcache, k - 1)
             draft_ids = drafts.tolist()  # computed by now: accept read the verify
             t2 = time.perf_counter()
-            rollback(tcache, out.traces, n_acc + 1, k + 1)
-            mx.async_eval(cache_arrays(tcache))  # the next round's draft is built meanwhile
+            target.rollback(tcache, out.traces, n_acc + 1, k + 1)
+            mx.async_eval(target.cache_arrays(tcache))  # the next round's draft is built meanwhile
             rs.record(k, n_acc)
             rs.draft_s += t1 - t0
             rs.verify_s += t2 - t1

@@ -2,58 +2,24 @@
 
 A native kernel is trusted only after it agrees with the ops reference on a small input in
 this process (per kernel and shape class); if it disagrees, a warning is given once and the
-reference is used. ``--kernels`` / ``MTP_KERNELS`` choose: ``auto`` (checked native where a
-backend has one), ``native`` (skip the check), ``ops`` (reference only).
+reference is used. Each entry takes the mode (``Options.kernels``, ``--kernels``): ``auto``
+(checked native where a backend has one), ``native`` (skip the check), ``ops`` (reference
+only).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import os
+import re
 import warnings
 import weakref
 from collections.abc import Callable
 
 import mlx.core as mx
 
-from ..errors import UsageError
-
 MODES = ("auto", "native", "ops")
-# Quantized matmuls: MLX's own product or ours (kernels/quantized_matmul.py), which reads each
-# weight once for 1-8 rows. ``auto`` picks ours where it was measured faster end to end (CUDA:
-# 77 vs 57 tok/s on the H200, compiled decode steps) and MLX's elsewhere (its Metal product is
-# tuned; our Metal mirror is self-checked but unmeasured). Fixed when a model is loaded.
-QMM_CHOICES = ("auto", "mlx", "ours")
-# Decode steps and verify blocks run as mx.compile'd layer functions (a decode step's graph takes
-# ~15 ms of Python to build op by op on the H200's host, as long as the GPU takes to run it).
-COMPILE_CHOICES = ("on", "off")
-_state: dict = {"mode": None, "qmm": None, "compile": None, "verdicts": {}, "generation": 0}
-
-
-# Each switch: its flag (None: set by its environment variable alone), its environment
-# variable, its values, its default.
-_SWITCHES = {
-    "mode": ("--kernels", "MTP_KERNELS", MODES, "auto"),
-    "qmm": ("--qmm", "MTP_QMM", QMM_CHOICES, "auto"),
-    "compile": (None, "MTP_COMPILE", COMPILE_CHOICES, "on"),
-}
-
-
-def _set(switch: str, value: str | None, initial: bool = False) -> None:
-    flag, env, choices, _ = _SWITCHES[switch]
-    if value is not None and value not in choices:
-        raise UsageError(f"{flag or env} must be one of {', '.join(choices)}, got {value!r}")
-    _state[switch] = value
-    if not initial:
-        changed()
-
-
-def _get(switch: str) -> str:
-    if _state[switch] is None:  # first use: the environment, else the default
-        _, env, _, default = _SWITCHES[switch]
-        _set(switch, os.environ.get(env, default), initial=True)
-    return _state[switch]
+_verdicts: dict[tuple, bool] = {}  # (kernel, shape class) -> trusted: facts of this process
 
 
 def kernel_name(base: str, *sources: str) -> str:
@@ -115,7 +81,7 @@ _SPELLINGS = {
 # division's fast path alone (rcp.approx and one Newton step, what nvcc emits once its range
 # check passes): correctly rounded for x < 2^126, 0 beyond (where 1 / x < 2^-126). Without the
 # check and its slow-path branch the gated-delta kernel's decode step took 4% less time on the
-# H200 (session 30). Metal and the CPU emulation divide.
+# H200. Metal and the CPU emulation divide.
 RCP1 = """
     #ifdef __CUDA_ARCH__
     const auto rcp1_ = [](float x) {
@@ -127,6 +93,21 @@ RCP1 = """
     #else
     #define RCP1(x) (1.0f / (x))
     #endif"""
+
+
+_PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+
+
+def fill(text: str, **parts: str) -> str:
+    """``text`` with each ``{{NAME}}`` replaced by ``parts[NAME]``. A placeholder without its
+    part, or a part without its placeholder, is an error: a kernel is never built from a text
+    half filled, nor from a part that went nowhere."""
+    names = set(_PLACEHOLDER.findall(text))
+    if names != parts.keys():
+        missing, unused = sorted(names - parts.keys()), sorted(parts.keys() - names)
+        raise ValueError(f"kernel text: placeholders without a part {missing}, "
+                         f"parts without a placeholder {unused}")  # fmt: skip
+    return _PLACEHOLDER.sub(lambda m: parts[m.group(1)], text)
 
 
 def spell(source: str, metal: bool) -> str:
@@ -175,44 +156,6 @@ def constant(a: mx.array, how: str = "contiguous", make: Callable = mx.contiguou
     return entry[1]
 
 
-def set_mode(mode: str | None) -> None:
-    _set("mode", mode)
-
-
-def mode() -> str:
-    return _get("mode")
-
-
-def set_qmm(choice: str | None) -> None:
-    _set("qmm", choice)
-
-
-def set_compile(choice: str | None) -> None:
-    _set("compile", choice)
-
-
-def compile_enabled() -> bool:
-    return _get("compile") == "on"
-
-
-def changed() -> None:
-    """Note that a kernel choice changed: compiled functions traced before are stale."""
-    _state["generation"] += 1
-
-
-def generation() -> int:
-    """Bumped by every change of a switch, a verdict reset or a layer class swap."""
-    return _state["generation"]
-
-
-def qmm() -> str:
-    """Which quantized matmul models loaded from now on use: 'mlx' or 'ours'."""
-    choice = _get("qmm")
-    if choice == "auto":
-        return "ours" if backend() == "cuda" else "mlx"
-    return choice
-
-
 def available(name: str) -> bool:
     """Whether MLX was built with backend ``name`` ("cuda" or "metal") and it has a device."""
     module = getattr(mx, name, None)  # a build need not carry every backend's module
@@ -229,18 +172,17 @@ def backend() -> str:
     return "cpu" if mx.default_device() == mx.cpu else _gpu_backend()
 
 
-def use_native(name: str, key: tuple, check: Callable[[], str | None]) -> bool:
-    """Whether to run kernel ``name`` for shape class ``key``; runs ``check`` once in auto mode.
+def use_native(name: str, key: tuple, check: Callable[[], str | None], mode: str) -> bool:
+    """Whether to run kernel ``name`` for shape class ``key`` under ``mode`` (see ``MODES``);
+    in ``auto`` runs ``check`` once a process per (name, key).
 
     ``check`` returns None when the native kernel agrees with the reference, else why not.
     """
-    m = mode()
-    if m == "ops":
+    if mode == "ops":
         return False
-    if m == "native":
+    if mode == "native":
         return True
-    verdicts = _state["verdicts"]
-    if (name, key) not in verdicts:
+    if (name, key) not in _verdicts:
         try:
             problem = check()
         except Exception as e:  # noqa: BLE001 - e.g. outputs of the wrong shape: not trusted
@@ -252,10 +194,10 @@ def use_native(name: str, key: tuple, check: Callable[[], str | None]) -> bool:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        verdicts[(name, key)] = problem is None
-    return verdicts[(name, key)]
+        _verdicts[(name, key)] = problem is None
+    return _verdicts[(name, key)]
 
 
 def reset_verdicts() -> None:
-    _state["verdicts"].clear()
-    changed()
+    """Forget every kernel's self-check (tests)."""
+    _verdicts.clear()

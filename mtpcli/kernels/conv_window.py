@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import RCP1, available, backend, built, constant, kernel_name, use_native
+from . import RCP1, available, backend, built, constant, fill, kernel_name, spell, use_native
 
 
 def conv_silu_ops(x: mx.array, window: mx.array, weight: mx.array):
@@ -33,24 +33,20 @@ def conv_silu_ops(x: mx.array, window: mx.array, weight: mx.array):
 # One thread per (batch row, channel): it keeps the channel's last K inputs in registers and
 # walks the T positions. x and the window are read through their strides (x is a view into
 # the fused input projection; after a rollback the window is a view into the last verify's
-# inputs); the weight is row-contiguous. The conv sums its K products in
-# float32 from the oldest input, rounds to the input dtype, and SiLU rounds as MLX's
-# x * sigmoid(x) does (its 1 / x as the folded kernel's, RCP1). The Metal source mirrors the
-# CUDA source line by line.
-_CUDA_SOURCE = (
-    RCP1
-    + """
+# inputs); the weight is row-contiguous. The conv sums its K products in float32 from the
+# oldest input, rounds to the input dtype, and SiLU rounds as MLX's x * sigmoid(x) does (its
+# 1 / x as the folded kernel's, RCP1). One text for both backends (``kernels.spell``).
+_TEMPLATE = """
     #define CONV_RD(v) static_cast<float>(static_cast<InT>(v))
     const int T = x_shape[1];
     const int C = x_shape[2];
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    const int b = blockIdx.y;
+    {{THREAD_INDICES}}
     if (c < C) {
-      const InT* x_ = x + b * x_strides[0] + c * x_strides[2];
-      const InT* win_ = window + b * window_strides[0] + c * window_strides[2];
-      InT* y_ = y + (size_t)b * T * C + c;
-      InT* in_ = inputs + (size_t)b * (K - 1 + T) * C + c;
-      InT* wout_ = window_out + (size_t)b * (K - 1) * C + c;
+      DEVICE const InT* x_ = x + b * x_strides[0] + c * x_strides[2];
+      DEVICE const InT* win_ = window + b * window_strides[0] + c * window_strides[2];
+      DEVICE InT* y_ = y + (size_t)b * T * C + c;
+      DEVICE InT* in_ = inputs + (size_t)b * (K - 1 + T) * C + c;
+      DEVICE InT* wout_ = window_out + (size_t)b * (K - 1) * C + c;
       float wk[K];
       for (int k = 0; k < K; ++k) wk[k] = static_cast<float>(weight[(size_t)c * K + k]);
       InT last[K];
@@ -72,44 +68,18 @@ _CUDA_SOURCE = (
     }
     #undef CONV_RD
 """
-)
+_THREAD_INDICES = {
+    False: """const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int b = blockIdx.y;""",
+    True: """const int c = thread_position_in_grid.x;
+    const int b = thread_position_in_grid.y;""",
+}
 
-_METAL_SOURCE = (
-    RCP1
-    + """
-    #define CONV_RD(v) static_cast<float>(static_cast<InT>(v))
-    const int T = x_shape[1];
-    const int C = x_shape[2];
-    const int c = thread_position_in_grid.x;
-    const int b = thread_position_in_grid.y;
-    if (c < C) {
-      device const InT* x_ = x + b * x_strides[0] + c * x_strides[2];
-      device const InT* win_ = window + b * window_strides[0] + c * window_strides[2];
-      device InT* y_ = y + (size_t)b * T * C + c;
-      device InT* in_ = inputs + (size_t)b * (K - 1 + T) * C + c;
-      device InT* wout_ = window_out + (size_t)b * (K - 1) * C + c;
-      float wk[K];
-      for (int k = 0; k < K; ++k) wk[k] = static_cast<float>(weight[(size_t)c * K + k]);
-      InT last[K];
-      for (int j = 0; j < K - 1; ++j) {
-        last[j] = win_[j * window_strides[1]];
-        in_[(size_t)j * C] = last[j];
-      }
-      for (int t = 0; t < T; ++t) {
-        last[K - 1] = x_[t * x_strides[1]];
-        in_[(size_t)(K - 1 + t) * C] = last[K - 1];
-        float acc = 0.0f;
-        for (int k = 0; k < K; ++k) acc = acc + wk[k] * static_cast<float>(last[k]);
-        const float h = CONV_RD(acc);
-        const float sg = CONV_RD(RCP1(1.0f + exp(-h)));
-        y_[(size_t)t * C] = static_cast<InT>(h * sg);
-        for (int k = 0; k < K - 1; ++k) last[k] = last[k + 1];
-      }
-      for (int j = 0; j < K - 1; ++j) wout_[(size_t)j * C] = last[j];
-    }
-    #undef CONV_RD
-"""
-)
+
+def source(metal: bool) -> str:
+    """The kernel body for one backend."""
+    return RCP1 + spell(fill(_TEMPLATE, THREAD_INDICES=_THREAD_INDICES[metal]), metal)
+
 
 _THREADS = 256
 _kernels: dict = {}
@@ -128,13 +98,13 @@ def _spec(source: str) -> dict:
 def _build_cuda():
     if not available("cuda"):
         return None
-    return mx.fast.cuda_kernel(**_spec(_CUDA_SOURCE))
+    return mx.fast.cuda_kernel(**_spec(source(False)))
 
 
 def _build_metal():
     if not available("metal"):
         return None
-    return mx.fast.metal_kernel(**_spec(_METAL_SOURCE))
+    return mx.fast.metal_kernel(**_spec(source(True)))
 
 
 def _kernel():
@@ -182,13 +152,16 @@ def _self_check(dtype, K: int) -> str | None:
     return None
 
 
-def conv_silu(x: mx.array, window: mx.array, weight: mx.array):
-    """The convolution on the best trusted path (see ``conv_silu_ops`` for shapes)."""
+def conv_silu(x: mx.array, window: mx.array, weight: mx.array, mode: str = "auto"):
+    """The convolution on the best trusted path under kernel ``mode`` (see ``conv_silu_ops``
+    for shapes)."""
     K = weight.shape[1]
     if (
         backend() != "cpu"
         and weight.shape[2] == 1
-        and use_native("conv_silu", (backend(), str(x.dtype), K), lambda: _self_check(x.dtype, K))
+        and use_native(
+            "conv_silu", (backend(), str(x.dtype), K), lambda: _self_check(x.dtype, K), mode
+        )  # fmt: skip
     ):
         out = conv_silu_native(x, window, weight)
         if out is not None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import available, backend, built, constant, kernel_name, spell, use_native
+from . import available, backend, built, constant, fill, kernel_name, spell, use_native
 
 
 @dataclass(frozen=True)
@@ -86,20 +86,20 @@ template <int D, typename T, typename W>
 KERNEL_FN void mtp_norm_rope(DEVICE const T* x, long stride, DEVICE const W* w, int lane,
                              float pos, THREAD float* v) {
   constexpr int NPT = D / 32;
-  constexpr int HALF = ROPE_DIMS / 2;
+  constexpr int HALF = {{ROPE_DIMS}} / 2;
   float ss = 0.0f;
   for (int i = 0; i < NPT; ++i) {
     v[i] = static_cast<float>(x[(i * 32 + lane) * stride]);
     ss = fmaf(v[i], v[i], ss);
   }
   for (LANE_OFFSET off = 16; off > 0; off >>= 1) ss = ss + XOR_SHUFFLE(ss, off);
-  const float inv = rsqrtf(ss / D + NORM_EPS);
+  const float inv = rsqrtf(ss / D + {{NORM_EPS}});
   for (int i = 0; i < NPT; ++i) {
     v[i] = AT_RD(static_cast<float>(w[i * 32 + lane]) * AT_RD(v[i] * inv));
   }
   for (int i = 0; i < HALF / 32; ++i) {
     const float e = static_cast<float>(i * 32 + lane);
-    float theta = pos * ROPE_SCALE * exp2f(-e * (ROPE_LOG2_BASE / HALF));
+    float theta = pos * {{ROPE_SCALE}} * exp2f(-e * ({{ROPE_LOG2_BASE}} / HALF));
     const float turns = rintf(theta * 0.15915494309189535f);
     theta = fmaf(-turns, 6.28125f, theta);
     theta = fmaf(-turns, 1.9353071795864769e-3f, theta);
@@ -120,7 +120,7 @@ KERNEL_FN void mtp_norm_rope(DEVICE const T* x, long stride, DEVICE const W* w, 
 # position's first head of each KV group writes it out for the cache.
 _PARTIAL = """
     constexpr int NPT = D / 32;
-    THREAD_INDICES
+    {{THREAD_INDICES}}
     const int T = q_shape[1];
     const int Hq = q_shape[2];
     const int Hkv = k_shape[2];
@@ -179,7 +179,7 @@ _PARTIAL = """
       float s = 0.0f;
       for (int i = 0; i < NPT; ++i) s = fmaf(qv[i], kr[i], s);
       for (LANE_OFFSET off = 16; off > 0; off >>= 1) s = s + XOR_SHUFFLE(s, off);
-      s = s * ATTN_SCALE;
+      s = s * {{ATTN_SCALE}};
       const float mn = fmaxf(m, s);
       const float c = expf(m - mn);
       const float p = expf(s - mn);
@@ -212,7 +212,7 @@ _PARTIAL = """
 # rounded to the input dtype as MLX's attention leaves it, times the gate's sigmoid (rounded, as
 # mlx-lm's ``o * mx.sigmoid(gate)``). The cache's keys are an input for their length only.
 _COMBINE = """
-    THREAD_INDICES
+    {{THREAD_INDICES}}
     const int T = gate_shape[1];
     const int Hq = gate_shape[2];
     const int N = keys_shape[2];
@@ -261,13 +261,11 @@ def _literal(x: float) -> str:
 
 def sources(metal: bool, eps: float, rope: Rope, scale: float) -> tuple[str, str, str]:
     """(header, partial kernel, combine kernel) for a backend, the constants spelled in."""
-    header = (_HEADER.replace("NORM_EPS", _literal(eps))
-              .replace("ROPE_DIMS", str(rope.dims))
-              .replace("ROPE_SCALE", _literal(rope.scale))
-              .replace("ROPE_LOG2_BASE", _literal(math.log2(rope.base))))  # fmt: skip
-    partial = (_PARTIAL.replace("THREAD_INDICES", _THREAD_INDICES[metal])
-               .replace("ATTN_SCALE", _literal(scale)))  # fmt: skip
-    combine = _COMBINE.replace("THREAD_INDICES", _THREAD_INDICES[metal])
+    header = fill(_HEADER, NORM_EPS=_literal(eps), ROPE_DIMS=str(rope.dims),
+                  ROPE_SCALE=_literal(rope.scale),
+                  ROPE_LOG2_BASE=_literal(math.log2(rope.base)))  # fmt: skip
+    partial = fill(_PARTIAL, THREAD_INDICES=_THREAD_INDICES[metal], ATTN_SCALE=_literal(scale))
+    combine = fill(_COMBINE, THREAD_INDICES=_THREAD_INDICES[metal])
     header = _SPLITS + header
     return tuple(spell(text, metal) for text in (header, partial, combine))
 
@@ -408,19 +406,20 @@ def _self_check(dtype, wdtype, D: int, eps: float, rope: Rope, scale: float,
 
 
 def decode_attention(q, k, v, gate, q_norm, k_norm, eps: float, keys, values, rope: Rope | None,
-                     scale: float) -> tuple[mx.array, mx.array]:  # fmt: skip
-    """Gated attention of T positions on the best trusted path, each row as a decode step at
-    its position computes it (shapes as ``decode_attention_ops``; ``rope`` None means a rotary
-    embedding the kernels do not do)."""
+                     scale: float, mode: str = "auto") -> tuple[mx.array, mx.array]:  # fmt: skip
+    """Gated attention of T positions on the best trusted path under kernel ``mode``, each row
+    as a decode step at its position computes it (shapes as ``decode_attention_ops``; ``rope``
+    None means a rotary embedding the kernels do not do)."""
     if backend() != "cpu" and supported(q, k, keys, rope):
         D = q.shape[-1]
         key = (backend(), str(q.dtype), str(q_norm.dtype), D, eps, rope, scale)
         args = (q, k, v, gate, q_norm, k_norm, eps, keys, values, rope, scale)
         check = lambda block: _self_check(q.dtype, q_norm.dtype, D, eps, rope, scale, block)  # noqa: E731
-        if use_native("decode_attention", key, lambda: check(False)):
+        if use_native("decode_attention", key, lambda: check(False), mode):
             # A block in one pair of launches once its rows proved the one-position ones
             # bitwise on this device; else position by position through the same kernels.
-            if q.shape[1] == 1 or use_native("decode_attention_block", key, lambda: check(True)):
+            if q.shape[1] == 1 or use_native("decode_attention_block", key, lambda: check(True),
+                                             mode):  # fmt: skip
                 got = decode_attention_native(*args)
             else:
                 got = one_at_a_time(decode_attention_native, *args)

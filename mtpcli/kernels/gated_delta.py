@@ -5,13 +5,14 @@ state) so that the rollback can restore the state after any accepted prefix with
 the target again. One launch runs all T steps of a block for all heads. Chain parity: step t
 of a T-step launch does exactly the arithmetic of a one-step launch, so T steps equal T
 one-step calls bitwise, and MTP equals classic on a backend as long as both use the same path
-(they do: ``gated_delta`` picks per shape class, not per T).
+(they do: ``gated_delta_conv`` picks per shape class, not per T).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from functools import partial
 
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
@@ -22,6 +23,7 @@ from . import (
     backend,
     built,
     constant,
+    fill,
     kernel_name,
     launch_bounds,
     spell,
@@ -97,12 +99,12 @@ def _no_states(state: mx.array) -> mx.array:
 # instructions). A row's arithmetic depends on neither R, T nor which warp made its inputs.
 # Both backends' sources are this one text with their few differences filled in
 # (``kernels.spell``), so the Metal kernel mirrors the CUDA kernel line by line by construction.
-# GATE_INPUTS, GATES and QK are spliced per variant: the plain one reads normalised q/k, the
-# decay g and beta; the "raw" one reads the layer's raw q/k, a and b and computes normalize_qk,
-# compute_g and sigmoid(b) itself (saving seven launches per layer per step).
+# It reads the layer's raw q/k, a and b and computes mlx-lm's normalize_qk, compute_g and
+# sigmoid(b) itself (seven launches a layer a step saved); how it reads q, k and v is a part
+# (``_READ``, ``_CONV_READ``).
 _TEMPLATE = """
     constexpr int NPT = Dk / 32;  // a lane's columns of a q/k row (all 32 lanes make one)
-    constexpr int LH = LANES;  // a state row's lanes: a group
+    constexpr int LH = {{LANES}};  // a state row's lanes: a group
     constexpr int NG = 32 / LH;  // a warp's groups
     constexpr int SPL = Dk / LH;  // a lane's columns of a state row
     constexpr int VW = SPL % 4 == 0 ? 4 : 1;  // in runs of VW adjacent columns
@@ -113,15 +115,15 @@ _TEMPLATE = """
     constexpr int WH = WARPS / HPT;  // a head's warps (a threadgroup holds HPT of a key head's)
     static_assert(WARPS % HPT == 0 && (Hv / Hk) % HPT == 0, "whole heads of one key head");
     static_assert(CH <= 32, "a chunk's gates are made by the lanes of one warp");
-    const int B = TIMED_shape[0];
-    const int T = TIMED_shape[1];
-    THREAD_INDICES
+    const int B = {{TIMED}}_shape[0];
+    const int T = {{TIMED}}_shape[1];
+    {{THREAD_INDICES}}
     const int b = n / Hv;
     const int hv = n % Hv;
     const int hk = hv / (Hv / Hk);
-    QKV_INPUTS
+    {{QKV_INPUTS}}
     DEVICE InT* y_ = y + (size_t)b * T * Hv * Dv + hv * Dv + dv;
-    GATE_INPUTS
+    {{GATE_INPUTS}}
     // The state is read through its strides: after a rollback it is a view into the last
     // verify's per-step states, and a fresh cache's zeros may be a broadcast.
     const int grp = lane / LH, hl = lane % LH;  // the lane's group and its lane there
@@ -150,9 +152,9 @@ _TEMPLATE = """
     }
     ALIGN16 SHARED float qk_sh[CH][2][Dk];  // a chunk's normalised q (0) and k (1)
     SHARED float gb_sh[HPT][CH][2];  // a chunk's decay (0) and beta (1), each head's
-    CONV_COPY
+    {{CONV_COPY}}
     static_assert(CH * R <= 32, "a chunk's value inputs are loaded by the lanes of one warp");
-    KEEP_INIT
+    {{KEEP_INIT}}
     float xin = 0.0f;  // lane l < C R: value row l % R's input at the chunk's step l / R
     for (int t0 = 0; t0 < T; t0 += CH) {
       const int C = min(CH, T - t0);
@@ -164,14 +166,14 @@ _TEMPLATE = """
         const int j = u >> 1;
         const bool isq = (u & 1) == 0;
         float x[NPT];
-        QK_LOAD
-        QK
+        {{QK_LOAD}}
+        {{QK}}
         for (int i = 0; i < NPT; ++i) qk_sh[j][isq ? 0 : 1][lane * NPT + i] = x[i];
       }
       if (warp % WH == WH - 1 && lane < C) {
         const float gx = static_cast<float>(g_[(t0 + lane) * gs]);
         const float bx = static_cast<float>(b_[(t0 + lane) * bs]);
-        GATES
+        {{GATES}}
         gb_sh[hg][lane][0] = gt;
         gb_sh[hg][lane][1] = bt;
       }
@@ -184,7 +186,7 @@ _TEMPLATE = """
           kn[i] = qk_sh[j][1][COL(i)];
         }
         for (int r = 0; r < RH; ++r) xv[r] = LANE_SHUFFLE(xin, LANE_OFFSET(j * R + grp * RH + r));
-        V_TAKE
+        {{V_TAKE}}
         const float gt = gb_sh[hg][j][0], bt = gb_sh[hg][j][1];
         float kv[RH], o[RH];
         for (int r = 0; r < RH; ++r) {
@@ -213,7 +215,7 @@ _TEMPLATE = """
         if (hl == 0) {
           for (int r = 0; r < RH; ++r) y_[grp * RH + r] = static_cast<InT>(o[r]);
         }
-        KEEP_STATES
+        {{KEEP_STATES}}
         y_ += Hv * Dv;  // pointers moved on a step, not addresses made again (a step's issue)
       }
     }
@@ -250,15 +252,7 @@ _KEEP = """if (t + 1 < T) {
           st_ += (size_t)B * Hv * Dv * Dk;
         }"""
 # g_/b_ and gs/bs name the two gate inputs and their time strides; GATES makes the decay gt
-# and beta bt from one step's gx, bx; QK normalises one loaded q (isq) or k row x in place.
-_PLAIN = {
-    "GATE_INPUTS": """DEVICE const float* g_ = g + b * g_strides[0] + hv * g_strides[2];
-    DEVICE const float* b_ = beta + b * beta_strides[0] + hv * beta_strides[2];
-    const int gs = g_strides[1], bs = beta_strides[1];""",
-    "GATES": """const float gt = gx;
-        const float bt = bx;""",
-    "QK": "",
-}
+# and beta bt from one step's gx, bx; QK normalises one loaded q (isq) or k row x in place:
 # mlx-lm's arithmetic, rounded to the input dtype where mlx-lm's ops round: rms_norm(q) then
 # times Dk^-1 (q) or Dk^-1/2 (k); a + dt_bias and softplus in the input dtype, the decay in
 # float32; sigmoid(b) in the input dtype.
@@ -282,7 +276,7 @@ _RAW = {
         const float sc = isq ? qs : ks;
         for (int i = 0; i < NPT; ++i) x[i] = RD(RD(x[i] * inv) * sc);""",
 }
-# How q, k and v are read. The plain and raw variants read them as given (views into the conv's
+# How q, k and v are read. The raw variant reads them as given (views into the conv's
 # output); TIMED names the input whose shape gives B and T.
 _READ = {
     "TIMED": "k",
@@ -300,7 +294,7 @@ _READ = {
     "CONV_COPY": "",
     "V_TAKE": "for (int r = 0; r < RH; ++r) vt[r] = xv[r];",
 }
-# The "conv" variant (a raw one) reads the input projection's qkv [B, T, NC], the conv window
+# The "conv" variant reads the input projection's qkv [B, T, NC], the conv window
 # [B, CK-1, NC] and the conv weight [NC, CK] instead, and makes each q, k and v value with the
 # conv kernel's arithmetic and roundings (kernels/conv_window.py) where it needs it: a q/k
 # channel's is made by every threadgroup of its key head, as the q/k normalisation is. It also
@@ -387,25 +381,18 @@ _CONV_READ = {
           for (int k = 0; k < TW; ++k) vw[r][k] = vw[r][k + 1];
         }""",
 }
-_INPUTS = {
-    False: ["q", "k", "v", "g", "beta", "state_in"],
-    True: ["q", "k", "v", "a", "bb", "A_log", "dt_bias", "state_in"],
-}
+_INPUTS = ["q", "k", "v", "a", "bb", "A_log", "dt_bias", "state_in"]
 _CONV_INPUTS = ["qkv", "window", "conv_w", "a", "bb", "A_log", "dt_bias", "state_in"]
 _kernels: dict = {}
 
 
-def _source(metal: bool, keep: bool, raw: bool, conv: bool = False) -> str:
-    """The kernel body of one variant for one backend, its splices filled in (``conv``: the
-    raw variant that makes q, k and v from the conv's inputs itself)."""
-    source = _TEMPLATE.replace("KEEP_STATES", _KEEP if keep else "")
-    source = source.replace("KEEP_INIT", _KEEP_INIT if keep else "")
-    for name, text in (_CONV_READ if conv else _READ).items():
-        source = source.replace(name, text)
-    for name, text in (_RAW if raw or conv else _PLAIN).items():
-        source = source.replace(name, text)
-    source = source.replace("LANES", str(_LANES))
-    return spell(source.replace("THREAD_INDICES", _THREAD_INDICES[metal]), metal)
+def _source(metal: bool, keep: bool, conv: bool = False) -> str:
+    """The kernel body of one variant for one backend, its parts filled in (``conv``: the one
+    that makes q, k and v from the conv's inputs itself)."""
+    text = fill(_TEMPLATE, KEEP_STATES=_KEEP if keep else "", KEEP_INIT=_KEEP_INIT if keep else "",
+                THREAD_INDICES=_THREAD_INDICES[metal], LANES=str(_LANES),
+                **(_CONV_READ if conv else _READ), **_RAW)  # fmt: skip
+    return spell(text, metal)
 
 
 # CUDA's STORE1 and STORE4 are its __stcs; Metal has no store hints.
@@ -420,19 +407,19 @@ inline void store4(device float4* p, float4 v) { *p = v; }
 CONV_MIN_BLOCKS = 3
 
 
-def _spec(metal: bool, keep: bool, raw: bool, conv: bool = False,
+def _spec(metal: bool, keep: bool, conv: bool = False,
           bounds: tuple[int, int] | None = None) -> dict:  # fmt: skip
     """The arguments both backends' kernel factories take, for one variant; ``bounds`` (warps,
     threadgroups a multiprocessor) the conv variant's launch bounds, by default WARPS and
     CONV_MIN_BLOCKS."""
-    source = _source(metal, keep, raw, conv)
+    source = _source(metal, keep, conv)
     warps, blocks = bounds or (_WARPS, CONV_MIN_BLOCKS)
     header = _METAL_HEADER if metal else launch_bounds(warps, blocks) if conv else ""
-    kind = "_conv" if conv else "_raw" if raw else ""
+    kind = "_conv" if conv else "_raw"
     return {
         "name": kernel_name(f"mtp_gated_delta{kind}{'_keep' if keep else ''}", source, header),
         "header": header,
-        "input_names": _CONV_INPUTS if conv else _INPUTS[raw],
+        "input_names": _CONV_INPUTS if conv else _INPUTS,
         "output_names": [
             "y",
             "state_out",
@@ -446,37 +433,36 @@ def _spec(metal: bool, keep: bool, raw: bool, conv: bool = False,
     }
 
 
-def _build_cuda(keep: bool, raw: bool, conv: bool, bounds: tuple[int, int] | None):
+def _build_cuda(keep: bool, conv: bool, bounds: tuple[int, int] | None):
     if not available("cuda"):
         return None
-    return mx.fast.cuda_kernel(**_spec(False, keep, raw, conv, bounds))
+    return mx.fast.cuda_kernel(**_spec(False, keep, conv, bounds))
 
 
-def _build_metal(keep: bool, raw: bool, conv: bool):
+def _build_metal(keep: bool, conv: bool):
     if not available("metal"):
         return None
-    return mx.fast.metal_kernel(**_spec(True, keep, raw, conv))
+    return mx.fast.metal_kernel(**_spec(True, keep, conv))
 
 
-def _kernel(keep: bool, raw: bool = False, conv: bool = False,
-            bounds: tuple[int, int] | None = None):  # fmt: skip
-    return built(_kernels, (keep, raw, conv, bounds), lambda: _build_cuda(keep, raw, conv, bounds),
-                 lambda: _build_metal(keep, raw, conv))  # fmt: skip
+def _kernel(keep: bool, conv: bool = False, bounds: tuple[int, int] | None = None):
+    return built(_kernels, (keep, conv, bounds), lambda: _build_cuda(keep, conv, bounds),
+                 lambda: _build_metal(keep, conv))  # fmt: skip
 
 
 # Value rows per warp (R/2 a half-warp): with the q/k and gates made once per threadgroup, 2
-# rows a warp (then of 32 lanes each) beat 4 and 1 at every T on the H200 (session 11); a row
+# rows a warp (then of 32 lanes each) beat 4 and 1 at every T on the H200; a row
 # a half-warp (2 a warp) took 10.2 us for a T = 3 block with states against 10.5 with a row
-# over all 32 lanes, and 7.8 against 8.5 at T = 1 (session 26). A chunk's value inputs are
+# over all 32 lanes, and 7.8 against 8.5 at T = 1. A chunk's value inputs are
 # loaded one a lane, so above 4 rows the chunks are shorter (32 / R steps).
 _ROWS = 2
 # Lanes a state row: 32 / LANES rows of a warp side by side (R a multiple of them). 8 and 4
-# (4 and 8 rows a warp) were slower in the real step on the H200 at both T (session 31).
+# (4 and 8 rows a warp) were slower in the real step on the H200 at both T.
 _LANES = 16
 # A threadgroup: its warps share one chunk's q/k normalisation and gates (with the conv folded
 # in, convolved too), which every threadgroup of the key head makes again: 8 warps make them
 # half as often as 4, and a T = 3 block with states took 11.0 us against 12.8 on the H200
-# (T = 1 8.7 against 8.5; session 25).
+# (T = 1 8.7 against 8.5).
 _WARPS = 8
 # Value heads a threadgroup: HEADS heads of one key head share its q/k normalisation (and
 # conv), made once for them, their rows WARPS / HEADS warps each. 1 where it does not divide
@@ -486,7 +472,7 @@ _HEADS = 1
 # (warps, heads, launch bound) 24 warps holding 3 heads, one threadgroup a multiprocessor, so
 # a key head's q/k are made a third as often. On the H200 a 27B layer's real T = 3 step took
 # 0.424 ms against 0.437 (T = 8 in one layer 13.7 us against 15.9), while T = 1 took 0.342
-# against 0.333 and T = 2 8.00 us against 7.58 (session 32). A row's arithmetic is the same
+# against 0.333 and T = 2 8.00 us against 7.58. A row's arithmetic is the same
 # either way, bit for bit.
 _WIDE: tuple[int, int, int] | None = (24, 3, 1)
 _WIDE_FROM = 3
@@ -527,17 +513,18 @@ def _geometry(B: int, Hv: int, Dv: int, layout: dict) -> tuple[tuple, tuple]:
     return (32 * warps, Dv * heads // (R * warps), B * Hv // heads), (32 * warps, 1, 1)
 
 
-def _launch(variant: tuple, inputs: list, dims: tuple, dtype, keep_states: bool, extra_types=(),
+def _launch(inputs: list, dims: tuple, dtype, keep_states: bool, extra_types=(),
             conv_width: int = 0) -> list[mx.array] | None:  # fmt: skip
-    """One launch of ``variant`` (raw, conv) for dims (B, T, Hk, Dk, Hv, Dv): y, the final
-    state, the per-step states where kept, and with ``conv_width`` the conv's window and inputs
-    and new window; None where there is no kernel."""
+    """One launch for dims (B, T, Hk, Dk, Hv, Dv): y, the final state, the per-step states
+    where kept, and with ``conv_width`` (the conv variant) the conv's window and inputs and new
+    window; None where there is no kernel."""
     B, T, Hk, Dk, Hv, Dv = dims
-    warps, _, blocks = _placement(Hk, Hv, Dv, T, variant[1])
-    kernel = _kernel(keep_states, *variant, bounds=(warps, blocks))
+    conv = conv_width > 0
+    warps, _, blocks = _placement(Hk, Hv, Dv, T, conv)
+    kernel = _kernel(keep_states, conv, bounds=(warps, blocks))
     if kernel is None:
         return None
-    layout = _layout(Hk, Hv, Dv, T, conv=variant[1])
+    layout = _layout(Hk, Hv, Dv, T, conv=conv)
     grid, threadgroup = _geometry(B, Hv, Dv, layout)
     shapes = [(B, T, Hv, Dv), (B, Hv, Dv, Dk)] + ([(T - 1, B, Hv, Dv, Dk)] if keep_states else [])
     dtypes = [dtype] + [mx.float32] * (len(shapes) - 1)
@@ -583,13 +570,6 @@ def _with_states(out: list, keep_states: bool):
     return y, state, out[2] if y.shape[1] > 1 else _no_states(state)
 
 
-def gated_delta_native(q, k, v, g, beta, state, *, keep_states: bool = False):
-    """The native kernel (same contract as ``gated_delta_ops``); None where there is none."""
-    inputs = [q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state.astype(mx.float32)]
-    out = _launch((False, False), inputs, _dims(q, v), q.dtype, _keeps(q, keep_states))
-    return None if out is None else _with_states(out, keep_states)
-
-
 def gated_delta_raw_ops(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bool = False):
     """Ops reference from the layer's raw inputs, as mlx-lm computes them.
 
@@ -607,7 +587,7 @@ def gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state, *, keep_states=
     inputs = [q, k, v, a.astype(q.dtype), b.astype(q.dtype), constant(A_log), constant(dt_bias),
               state.astype(mx.float32)]  # fmt: skip
     types = [("AT", A_log.dtype), ("DT", dt_bias.dtype)]  # in the name: they type the signature
-    out = _launch((True, False), inputs, _dims(q, v), q.dtype, _keeps(q, keep_states), types)
+    out = _launch(inputs, _dims(q, v), q.dtype, _keeps(q, keep_states), types)
     return None if out is None else _with_states(out, keep_states)
 
 
@@ -656,7 +636,7 @@ def gated_delta_conv_native(qkv, window, conv_w, a, b, A_log, dt_bias, state, he
               state.astype(mx.float32)]  # fmt: skip
     # in the name: they type the signature
     types = [("AT", A_log.dtype), ("DT", dt_bias.dtype), ("WT", mx.float32)]
-    out = _launch((True, True), inputs, (B, T, *heads), qkv.dtype, keep, types, conv_width=K)
+    out = _launch(inputs, (B, T, *heads), qkv.dtype, keep, types, conv_width=K)
     return None if out is None else (*_with_states(out, keep_states), out[-2], out[-1])
 
 
@@ -700,17 +680,6 @@ def _at_each_placement(check: Callable[[int], str | None]) -> str | None:
         if (problem := check(T)) is not None:
             return f"T = {T}: {problem}"
     return None
-
-
-def _self_check(dtype, hk: int, hv: int, dk: int, dv: int, T: int = 3) -> str | None:
-    q, k, v, g, beta, state = _random_inputs(dtype, hk, hv, dk, dv, T)
-    try:
-        got = gated_delta_native(q, k, v, g, beta, state, keep_states=True)
-        want = gated_delta_ops(q, k, v, g, beta, state, keep_states=True)
-        mx.eval(got, want)
-    except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
-        return f"{type(e).__name__}: {e}"
-    return _compare(got, want, dtype)
 
 
 def _raw_gates(g, beta, dtype, hv: int, gate_dtypes) -> tuple:
@@ -773,22 +742,10 @@ def _native_shape(k, v) -> bool:
     return _native_dims(k.shape[2], k.shape[3], v.shape[2], v.shape[3])
 
 
-def gated_delta(q, k, v, g, beta, state, *, keep_states: bool = False):
-    """Run the recurrence on the best trusted path (see ``gated_delta_ops`` for shapes)."""
-    Hk, Dk, Hv, Dv = k.shape[2], k.shape[3], v.shape[2], v.shape[3]
-    if _native_shape(k, v) and use_native(
-        "gated_delta",
-        (backend(), str(q.dtype), Hk, Hv, Dk, Dv),
-        lambda: _at_each_placement(lambda T: _self_check(q.dtype, Hk, Hv, Dk, Dv, T)),
-    ):
-        out = gated_delta_native(q, k, v, g, beta, state, keep_states=keep_states)
-        if out is not None:
-            return out
-    return gated_delta_ops(q, k, v, g, beta, state, keep_states=keep_states)
-
-
-def gated_delta_raw(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bool = False):
-    """The layer's recurrence from its raw inputs (see ``gated_delta_raw_ops``), best path."""
+def gated_delta_raw(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bool = False,
+                    mode: str = "auto"):  # fmt: skip
+    """The layer's recurrence from its raw inputs (see ``gated_delta_raw_ops``) on the best
+    trusted path under kernel ``mode``."""
     Hk, Dk, Hv, Dv = k.shape[2], k.shape[3], v.shape[2], v.shape[3]
     gate_dtypes = (A_log.dtype, dt_bias.dtype)
     if _native_shape(k, v) and use_native(
@@ -797,6 +754,7 @@ def gated_delta_raw(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bool =
         lambda: _at_each_placement(
             lambda T: _self_check_raw(q.dtype, Hk, Hv, Dk, Dv, gate_dtypes, T)
         ),
+        mode,
     ):
         out = gated_delta_raw_native(q, k, v, a, b, A_log, dt_bias, state,
                                      keep_states=keep_states)  # fmt: skip
@@ -805,22 +763,16 @@ def gated_delta_raw(q, k, v, a, b, A_log, dt_bias, state, *, keep_states: bool =
     return gated_delta_raw_ops(q, k, v, a, b, A_log, dt_bias, state, keep_states=keep_states)
 
 
-# The convolution folded into the gated-delta kernel (False: its own launch first; the bench's
-# A/B arm ``ours_conv_apart``).
-FUSE_CONV = True
-
-
 def gated_delta_conv(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, *,
-                     keep_states: bool = False):  # fmt: skip
+                     keep_states: bool = False, mode: str = "auto"):  # fmt: skip
     """The layer's convolution and recurrence (see ``gated_delta_conv_ops``) on the best
-    trusted path: one launch where the folded kernel is trusted, else the convolution's and
-    the recurrence's own best paths."""
+    trusted path under kernel ``mode``: one launch where the folded kernel is trusted, else the
+    convolution's and the recurrence's own best paths."""
     K = conv_w.shape[1]
     NC = 2 * heads[0] * heads[1] + heads[2] * heads[3]
     dtypes = (qkv.dtype, conv_w.dtype, A_log.dtype, dt_bias.dtype)
     if (
-        FUSE_CONV
-        and _native_dims(*heads)
+        _native_dims(*heads)
         and conv_w.shape == (NC, K, 1)
         and use_native(
             "gated_delta_conv",
@@ -828,11 +780,13 @@ def gated_delta_conv(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, *,
             lambda: _at_each_placement(
                 lambda T: _self_check_conv(qkv.dtype, heads, K, conv_w.dtype, dtypes[2:], T)
             ),
+            mode,
         )
     ):
         out = gated_delta_conv_native(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads,
                                       keep_states=keep_states)  # fmt: skip
         if out is not None:
             return out
-    return _conv_then_delta(conv_silu, gated_delta_raw, qkv, window, conv_w, a, b, A_log,
-                            dt_bias, state, heads, keep_states)  # fmt: skip
+    return _conv_then_delta(partial(conv_silu, mode=mode), partial(gated_delta_raw, mode=mode),
+                            qkv, window, conv_w, a, b, A_log, dt_bias, state, heads,
+                            keep_states)  # fmt: skip

@@ -9,12 +9,10 @@ equal its positions' one-row launches bitwise.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import mlx.core as mx
 from mlx_lm.models.activations import precise_swiglu
 
-from . import available, backend, built, constant, kernel_name, spell, use_native
+from . import available, backend, built, constant, fill, kernel_name, spell, use_native
 
 
 def gated_norm_ops(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx.array:
@@ -24,44 +22,13 @@ def gated_norm_ops(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx
 
 
 # One warp / SIMD-group a row: lane l holds D/32 values; the squares are summed by fma, then a
-# butterfly over the 32 lanes, 1, 2, 4, 8, 16 apart (the order that the out projection's
-# product repeats where it applies this norm itself: quantized_matmul's ``Gate``). The norm
-# rounds as MLX's rms_norm does (x * rsqrt to the input dtype, times the weight in it), the
-# gate's SiLU and the product are float32, as mlx-lm's precise_swiglu; y and z are read through
-# their strides (z is a view into the layer's fused input projection). One text for both
-# backends (``kernels.spell``).
-# A lane's part of one row, given ``NPT`` and ``D``: its NPT values ``Y_I`` (value i), their
-# gates ``Z_I``, the norm's weights ``W_I``, its outputs ``OUT_I`` of type ``OUT_T``. One text
-# for this kernel and for the out projection's product where it applies the norm itself
-# (quantized_matmul's ``Gate``), so the two compute the same bits by construction.
-ROW = """float v[NPT];
-        float ss = 0.0f;
-        for (int i = 0; i < NPT; ++i) {
-          v[i] = static_cast<float>(Y_I);
-          ss = fmaf(v[i], v[i], ss);
-        }
-        for (LANE_OFFSET off = 1; off < 32; off <<= 1) ss = ss + XOR_SHUFFLE(ss, off);
-        const float inv = rsqrtf(ss / D + NORM_EPS);
-        for (int i = 0; i < NPT; ++i) {
-          const float xn = static_cast<float>(static_cast<OUT_T>(
-              static_cast<float>(W_I) * static_cast<float>(static_cast<OUT_T>(v[i] * inv))));
-          const float gz = static_cast<float>(Z_I);
-          const float sg = 1.0f / (1.0f + expf(-gz));
-          OUT_I = static_cast<OUT_T>(gz * sg * xn);
-        }"""
-
-
-def row(y: str, z: str, w: str, out: str, out_type: str) -> str:
-    """``ROW`` with its value, gate, weight and output expressions (of ``i``) filled in."""
-    text = ROW
-    for token, expr in (("Y_I", y), ("Z_I", z), ("W_I", w), ("OUT_I", out), ("OUT_T", out_type)):
-        text = text.replace(token, expr)
-    return text
-
-
+# butterfly over the 32 lanes, 1, 2, 4, 8, 16 apart. The norm rounds as MLX's rms_norm does
+# (x * rsqrt to the input dtype, times the weight in it), the gate's SiLU and the product are
+# float32, as mlx-lm's precise_swiglu; y and z are read through their strides (z is a view into
+# the layer's fused input projection). One text for both backends (``kernels.spell``).
 _TEMPLATE = """
     constexpr int NPT = D / 32;
-    THREAD_INDICES
+    {{THREAD_INDICES}}
     const int S = y_shape[1];
     const int H = y_shape[2];
     if (row < y_shape[0] * S * H) {
@@ -70,8 +37,23 @@ _TEMPLATE = """
       const int b = row / (H * S);
       DEVICE const InT* y_ = y + b * y_strides[0] + s * y_strides[1] + h * y_strides[2]
           + lane * NPT * y_strides[3];
-      Z_ROW
-      ROW
+      {{Z_ROW}}
+      float v[NPT];
+      float ss = 0.0f;
+      for (int i = 0; i < NPT; ++i) {
+        v[i] = static_cast<float>(y_[i * y_strides[3]]);
+        ss = fmaf(v[i], v[i], ss);
+      }
+      for (LANE_OFFSET off = 1; off < 32; off <<= 1) ss = ss + XOR_SHUFFLE(ss, off);
+      const float inv = rsqrtf(ss / D + {{EPS}});
+      for (int i = 0; i < NPT; ++i) {
+        const float xn = static_cast<float>(static_cast<InT>(
+            static_cast<float>(weight[lane * NPT + i])
+            * static_cast<float>(static_cast<InT>(v[i] * inv))));
+        const float gz = static_cast<float>({{Z_I}});
+        const float sg = 1.0f / (1.0f + expf(-gz));
+        out[(size_t)row * D + lane * NPT + i] = static_cast<InT>(gz * sg * xn);
+      }
     }
 """
 # Where a row's gate values are: z [B, S, H, D] (a view) through its strides, or, "in place",
@@ -101,10 +83,9 @@ _kernels: dict = {}
 
 def _source(metal: bool, eps: float, in_place: bool = False) -> str:
     z_row, z_i = _Z_ROWS[in_place]
-    text = _TEMPLATE.replace("THREAD_INDICES", _THREAD_INDICES[metal]).replace("Z_ROW", z_row)
-    text = text.replace("ROW", row("y_[i * y_strides[3]]", z_i, "weight[lane * NPT + i]",
-                                   "out[(size_t)row * D + lane * NPT + i]", "InT"))  # fmt: skip
-    return spell(text.replace("NORM_EPS", f"{eps:.9e}f"), metal)
+    text = fill(_TEMPLATE, THREAD_INDICES=_THREAD_INDICES[metal], Z_ROW=z_row, Z_I=z_i,
+                EPS=f"{eps:.9e}f")  # fmt: skip
+    return spell(text, metal)
 
 
 def _spec(metal: bool, eps: float, in_place: bool = False) -> dict:
@@ -178,7 +159,8 @@ def _self_check(dtype, wdtype, D: int, eps: float, in_place: bool = False) -> st
     return None
 
 
-def _trusted(y: mx.array, z: mx.array, weight: mx.array, eps: float, in_place: bool) -> bool:
+def _trusted(y: mx.array, z: mx.array, weight: mx.array, eps: float, in_place: bool,
+             mode: str) -> bool:  # fmt: skip
     D = y.shape[-1]
     return (
         backend() != "cpu"
@@ -190,13 +172,16 @@ def _trusted(y: mx.array, z: mx.array, weight: mx.array, eps: float, in_place: b
             "gated_norm" + "_in_place" * in_place,
             (backend(), str(y.dtype), str(weight.dtype), D, eps),
             lambda: _self_check(y.dtype, weight.dtype, D, eps, in_place),
+            mode,
         )
     )
 
 
-def gated_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx.array:
-    """The gated norm on the best trusted path (see ``gated_norm_ops`` for shapes)."""
-    if z.shape == y.shape and _trusted(y, z, weight, eps, False):
+def gated_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float,
+               mode: str = "auto") -> mx.array:  # fmt: skip
+    """The gated norm on the best trusted path under kernel ``mode`` (see ``gated_norm_ops``
+    for shapes)."""
+    if z.shape == y.shape and _trusted(y, z, weight, eps, False, mode):
         out = gated_norm_native(y, z, weight, eps)
         if out is not None:
             return out
@@ -204,24 +189,16 @@ def gated_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx.arr
 
 
 def gated_norm_in_place(y: mx.array, source: mx.array, offset: int, weight: mx.array,
-                        eps: float) -> mx.array:  # fmt: skip
+                        eps: float, mode: str = "auto") -> mx.array:  # fmt: skip
     """The gated norm of y [B, S, H, D] whose gate is the columns [offset, offset + H * D) of
     ``source`` [B, S, W] (the layer's fused input projection), as [B, S, H * D]: where the
     native kernel runs, it reads the gate in place, so the graph has no slice or reshape around
     the launch (three nodes a layer fewer); elsewhere ``gated_norm`` on the gate's view."""
     k = y.shape[-2] * y.shape[-1]
     if (source.shape[:-1] == y.shape[:-2] and 0 <= offset <= source.shape[-1] - k
-            and _trusted(y, source, weight, eps, True)):  # fmt: skip
+            and _trusted(y, source, weight, eps, True, mode)):  # fmt: skip
         out = gated_norm_native(y, source, weight, eps, z_at=offset)
         if out is not None:
             return out
-    return on_view(gated_norm, y, source, offset, weight, eps)
-
-
-def on_view(norm: Callable, y: mx.array, source: mx.array, offset: int, weight: mx.array,
-            eps: float) -> mx.array:  # fmt: skip
-    """``norm`` (``gated_norm``'s contract) of y [..., H, D] and the gate's view [..., H, D] of
-    ``source``'s columns [offset, offset + H * D), as [..., H * D]."""
-    k = y.shape[-2] * y.shape[-1]
     z = source if (offset, k) == (0, source.shape[-1]) else source[..., offset : offset + k]
-    return norm(y, z.reshape(y.shape), weight, eps).reshape(*y.shape[:-2], k)
+    return gated_norm(y, z.reshape(y.shape), weight, eps, mode).reshape(*y.shape[:-2], k)

@@ -1,0 +1,60 @@
+"""Targets: the ``Target`` protocol the engines decode with, and its Qwen3.5-family model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+    from ..options import Options
+
+
+@dataclass
+class GatedDeltaTrace:
+    """What one verify pass left behind in one gated-delta layer, for the rollback."""
+
+    conv_input: mx.array  # [B, K-1+T, C]: the old conv window followed by the T new inputs
+    states: mx.array  # [T - 1, B, Hv, Dv, Dk]: the state after each position but the last
+
+
+@dataclass
+class ForwardOut:
+    hidden: mx.array  # [B, T, H], final-normed
+    traces: list[GatedDeltaTrace | None] | None  # per layer (None for attention layers)
+
+
+class Target(Protocol):
+    """What the engines and the gate need from a target model."""
+
+    config: ModelConfig
+    options: Options
+
+    @property
+    def embed_tokens(self) -> nn.Module: ...
+
+    def make_cache(self) -> list: ...
+
+    def forward(self, tokens: mx.array, cache: list, *, verify: bool = False) -> ForwardOut:
+        """Tokens [B, T] through the decoder, appended to ``cache``; ``verify`` computes each
+        position exactly as a decode step and keeps what ``rollback`` needs."""
+        ...
+
+    def prefill(self, tokens: mx.array, cache: list) -> mx.array:
+        """A prompt [B, L] into ``cache``; its final-normed hidden states [B, L, H]."""
+        ...
+
+    def lm_head(self, hidden: mx.array, exact: bool = False) -> mx.array:
+        """Logits [B, T, V] of hidden states [B, T, H]; ``exact`` rows as in a verify."""
+        ...
+
+    def rollback(self, cache: list, traces: list, n_keep: int, block: int) -> None:
+        """Leave ``cache`` as after the first ``n_keep`` of the last verify's ``block``."""
+        ...
+
+    def cache_arrays(self, cache: list) -> list[mx.array]:
+        """The arrays a rollback may have replaced (to evaluate them ahead)."""
+        ...

@@ -9,9 +9,7 @@ each row bitwise the single-position result; ``RowPolicy`` finds that out per op
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,29 +21,16 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .. import kernels
 from ..config import ModelConfig
-from ..errors import UsageError
-from ..kernels import quantized_matmul
 from ..kernels.decode_attention import MAX_T, Rope, decode_attention
 from ..kernels.gated_delta import gated_delta_conv
-from ..kernels.quantized_matmul import FusedProjection, NormBegun, residual_of
+from ..kernels.gated_norm import gated_norm_in_place
+from ..options import Options
 from ..weights import load_arrays, load_module_weights
+from . import ForwardOut, GatedDeltaTrace
+from .quantized_layers import FusedProjection, install, linear_add
 
 PREFILL_CHUNK = 2048
 COMPILE_MAX_T = 16  # decode steps and verify blocks; a prompt's length would trace once per use
-
-
-@dataclass
-class GatedDeltaTrace:
-    """What one verify pass left behind in one gated-delta layer, for the rollback."""
-
-    conv_input: mx.array  # [B, K-1+T, C]: the old conv window followed by the T new inputs
-    states: mx.array  # [T - 1, B, Hv, Dv, Dk]: the state after each position but the last
-
-
-@dataclass
-class ForwardOut:
-    hidden: mx.array  # [B, T, H], final-normed
-    traces: list[GatedDeltaTrace | None] | None  # per layer (None for attention layers)
 
 
 class RowPolicy:
@@ -131,18 +116,16 @@ def _equal(a, b) -> bool:
     return bool(mx.array_equal(a, b).item())
 
 
-def _gated_delta(m: qwen3_5.GatedDeltaNet, h, norm, conv_state, state, keep: bool, fused=None,
-                 then=None):  # fmt: skip
-    """h [B, S, H] (or a ``NormBegun`` of ``norm``) plus the gated-delta mixer of norm(h),
-    pure: returns (out [B, S, H], conv_input [B, K-1+S, C], new conv window, state, states if
-    ``keep``); with ``then``, the norm after it, out may come as a ``NormBegun`` of that."""
-    B, S, _ = residual_of(h).shape
+def _gated_delta(m: qwen3_5.GatedDeltaNet, h, norm, conv_state, state, keep: bool, mode: str,
+                 fused=None):  # fmt: skip
+    """h [B, S, H] plus the gated-delta mixer of norm(h), pure: returns (out [B, S, H],
+    conv_input [B, K-1+S, C], new conv window, state, states if ``keep``)."""
     if fused is not None:  # the norm and the four input projections in one product
         proj = fused(h, norm)  # [B, S, C + Hv * Dv + 2 Hv]
         qkv, _, b, a = fused.split(proj)
         z_source, z_at = proj, fused.start(1)
     else:
-        x = norm(residual_of(h))
+        x = norm(h)
         qkv, z = m.in_proj_qkv(x), m.in_proj_z(x)  # [B, S, C], [B, S, Hv * Dv]
         b, a = m.in_proj_b(x), m.in_proj_a(x)  # [B, S, Hv]
         z_source, z_at = z, 0
@@ -152,24 +135,24 @@ def _gated_delta(m: qwen3_5.GatedDeltaNet, h, norm, conv_state, state, keep: boo
     # new window [B, K-1, C].
     heads = (m.num_k_heads, m.head_k_dim, m.num_v_heads, m.head_v_dim)
     y, state, states, conv_input, window = gated_delta_conv(
-        qkv, conv_state, m.conv1d.weight, a, b, m.A_log, m.dt_bias, state, heads, keep_states=keep
-    )
-    # mlx-lm's gated norm (m.norm) of y, the out projection and the residual: the norm's launch
-    # and the product's, or one where the product applies the norm itself (FUSE_GATE)
-    gate = quantized_matmul.Gate(z_source, z_at, m.norm.weight, m.norm.eps)
-    out = quantized_matmul.linear_add(m.out_proj, y, residual_of(h), then, gate)
+        qkv, conv_state, m.conv1d.weight, a, b, m.A_log, m.dt_bias, state, heads,
+        keep_states=keep, mode=mode,
+    )  # fmt: skip
+    # mlx-lm's gated norm (m.norm) of y, reading the gate z in place; the out projection adds
+    # the residual in its launch
+    y = gated_norm_in_place(y, z_source, z_at, m.norm.weight, m.norm.eps, mode)  # [B, S, Hv Dv]
+    out = linear_add(m.out_proj, y, h)
     return (out, conv_input, window, state) + ((states,) if keep else ())
 
 
 def _attention_pre(m, h, norm, fused=None):
-    """h [B, T, H] (or a ``NormBegun`` of ``norm``) -> queries [B, T, Hq, D], keys, values
-    [B, T, Hkv, D], gate [B, T, Hq, D] of norm(h): mlx-lm's attention projections, before the
-    q/k norms (``attention_core``'s)."""
-    B, L, _ = residual_of(h).shape
+    """h [B, T, H] -> queries [B, T, Hq, D], keys, values [B, T, Hkv, D], gate [B, T, Hq, D] of
+    norm(h): mlx-lm's attention projections, before the q/k norms (``attention_core``'s)."""
+    B, L, _ = h.shape
     if fused is not None:  # the norm and the three projections in one product
         qg, k, v = fused.split(fused(h, norm))
     else:
-        x = norm(residual_of(h))
+        x = norm(h)
         qg, k, v = m.q_proj(x), m.k_proj(x), m.v_proj(x)  # [B, L, 2 Hq D], [B, L, Hkv D] x 2
     q, gate = mx.split(qg.reshape(B, L, m.num_attention_heads, -1), 2, axis=-1)
     k = k.reshape(B, L, m.num_key_value_heads, -1)
@@ -185,7 +168,7 @@ def rows_rope(m, cache: KVCache, L: int) -> Rope | None:
     return Rope.of(m.rope)
 
 
-def attention_core(m, q, k, v, gate, mask, cache: KVCache) -> mx.array:
+def attention_core(m, q, k, v, gate, mask, cache: KVCache, mode: str = "auto") -> mx.array:
     """The q/k norms, positions, the cache, the product and the output gate: [B, L, Hq * D]
     (eager: the cache offset moves every step). A decode step or a verify block on a GPU goes
     through ``decode_attention`` (two launches where its kernels run), rows exact by
@@ -195,7 +178,7 @@ def attention_core(m, q, k, v, gate, mask, cache: KVCache) -> mx.array:
     if rope is not None:
         keys, values = cache.keys[..., :N, :], cache.values[..., :N, :]  # [B, Hkv, N, D]
         o, k = decode_attention(q, k, v, gate, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps,
-                                keys, values, rope, m.scale)  # fmt: skip
+                                keys, values, rope, m.scale, mode)  # fmt: skip
         cache.update_and_fetch(k, v.transpose(0, 2, 1, 3))
         return o
     q, k = m.q_norm(q), m.k_norm(k)
@@ -211,21 +194,17 @@ class LayerFunctions:
     """Pure per-layer functions, ``mx.compile``d for blocks of up to ``COMPILE_MAX_T`` tokens.
 
     A pass at a new block length runs op by op first (so kernels' run-time self-checks never
-    run inside a trace); a change of any kernel switch (``kernels.generation``) drops them.
+    run inside a trace). ``enabled`` False runs every pass op by op.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self._fns: dict = {}  # (key, compiled) -> function
         self._warm: set[int] = set()  # block lengths that ran op by op once
-        self._generation = kernels.generation()
 
     def begin(self, T: int) -> bool:
         """Start a pass over T tokens; whether it runs compiled."""
-        if self._generation != kernels.generation():  # a kernel choice changed: retrace
-            self._fns.clear()
-            self._warm.clear()
-            self._generation = kernels.generation()
-        return kernels.compile_enabled() and T <= COMPILE_MAX_T and T in self._warm
+        return self.enabled and T <= COMPILE_MAX_T and T in self._warm
 
     def end(self, T: int) -> None:
         if T <= COMPILE_MAX_T:
@@ -241,95 +220,54 @@ class LayerFunctions:
         return [key for key, compiled in self._fns if compiled]
 
 
-def stream(h: mx.array | NormBegun) -> tuple[mx.array, ...]:
-    """The residual stream between layer functions as arrays: (h,), or where the launch that
-    made h began the next layer's input norm, (h, h times its weight, h's tile sums)."""
-    return (h.h, h.scaled, h.sums) if isinstance(h, NormBegun) else (h,)
-
-
-def _resumed(hs: tuple[mx.array, ...], norm: nn.Module) -> mx.array | NormBegun:
-    """``stream``'s inverse, for the layer whose input norm is ``norm``."""
-    return NormBegun(*hs, norm) if len(hs) == 3 else hs[0]
-
-
 def attention_pre(layer: nn.Module, fused: FusedProjection | None = None) -> Callable:
-    """The stream (see ``stream``) -> queries, keys, values, gate of a full-attention layer."""
+    """h -> queries, keys, values, gate of a full-attention layer."""
     norm = layer.input_layernorm
-    return lambda *hs: _attention_pre(layer.self_attn, _resumed(hs, norm), norm, fused)
+    return lambda h: _attention_pre(layer.self_attn, h, norm, fused)
 
 
-def attention_post(layer: nn.Module, mlp_add: Callable, begin: bool = False,
-                   then: nn.Module | None = None) -> Callable:  # fmt: skip
-    """(h, gated attention output) -> the layer's output stream: o_proj, residual, MLP block
-    (``mlp_add(h, norm, then)`` is h + the MLP of norm(h)). ``begin``: the o_proj launch may
-    begin that norm, which ``mlp_add`` then finishes; ``then``: the next layer's input norm,
-    which the MLP's last launch may begin."""
+def attention_post(layer: nn.Module, mlp_add: Callable) -> Callable:
+    """(h, gated attention output) -> the layer's output: o_proj, residual, MLP block
+    (``mlp_add(h, norm)`` is h + the MLP of norm(h))."""
     norm = layer.post_attention_layernorm
-
-    def post(h, o):
-        h = quantized_matmul.linear_add(layer.self_attn.o_proj, o, h, norm if begin else None)
-        return stream(mlp_add(h, norm, then))
-
-    return post
+    return lambda h, o: mlp_add(linear_add(layer.self_attn.o_proj, o, h), norm)
 
 
 def residual_mlp(mlp: nn.Module) -> Callable:
-    """(h, norm, then) -> h + mlp(norm(h)), for an MLP module as mlx-lm has it (it begins no
-    norm: ``then`` is never given to it)."""
-    return lambda h, norm, then=None: h + mlp(norm(h))
+    """(h, norm) -> h + mlp(norm(h)), for an MLP module as mlx-lm has it."""
+    return lambda h, norm: h + mlp(norm(h))
 
 
 def _mlp(fused: FusedProjection, down: nn.Module) -> Callable:
-    """(h, norm, then) -> h + mlx-lm's dense MLP of norm(h): the norm, gate and up and their
-    swiglu in one product (h may come as a ``NormBegun`` of norm, which that product
-    finishes), then the down projection's product adding the residual, which may begin the
-    norm ``then``."""
-    return lambda h, norm, then=None: quantized_matmul.linear_add(
-        down, fused(h, norm), residual_of(h), then
-    )
-
-
-# Where a GPU runs, a verify block goes to the device every this many layers as it is built
-# (on the CPU at its wait: its compute hides the overlap). 8 measured best on the H200 against
-# 2, 4 and 16 (session 17).
-SUBMIT_EVERY_GPU = 8
-
-
-def submit_every() -> int:
-    """``MTP_SUBMIT_EVERY``: submit a verify block every this many layers (0: at its wait).
-
-    Unset, it is ``SUBMIT_EVERY_GPU`` on a GPU backend and 0 on the CPU."""
-    raw = os.environ.get("MTP_SUBMIT_EVERY")
-    if raw is None:
-        return 0 if kernels.backend() == "cpu" else SUBMIT_EVERY_GPU
-    n = int(raw) if raw.strip().isdigit() else -1
-    if n < 0:
-        raise UsageError(f"MTP_SUBMIT_EVERY must be a number of layers (0: off), got {raw!r}")
-    return n
+    """(h, norm) -> h + mlx-lm's dense MLP of norm(h): the norm, gate and up and their swiglu
+    in one product, then the down projection's product adding the residual."""
+    return lambda h, norm: linear_add(down, fused(h, norm), h)
 
 
 class Qwen35Target:
     """A loaded Qwen3.5-family target with the surface the engines need."""
 
-    def __init__(self, model: nn.Module, config: ModelConfig, fuse: bool | None = None):
+    def __init__(self, model: nn.Module, config: ModelConfig, options: Options = Options(),
+                 fuse: bool | None = None):  # fmt: skip
         self.model = model  # mlx-lm's Model: parameters and checkpoint names
         self.config = config
+        self.options = options
+        self.mode = options.kernels
         # A verify block is waited for as soon as it is built (the round needs its accepted
         # count), so the device idles while Python builds it. Every ``submit_every`` layers
-        # the stream so far is submitted (mx.async_eval), the device running the first
+        # the hidden state so far is submitted (mx.async_eval), the device running the first
         # layers while the rest are built; 0 submits once, at the wait. Decode steps are not
-        # submitted in parts: on the H200 that measured no faster (session 18).
-        self.submit_every = submit_every()
-        ours = kernels.qmm() == "ours"
-        if ours:  # decode and verify rows then share one product kernel
-            quantized_matmul.install(model)
+        # submitted in parts: on the H200 that measured no faster.
+        self.submit_every = options.layers_a_submit
+        if options.ours:  # decode and verify rows then share one product kernel
+            install(model, self.mode)
         self.text = model.language_model
         self._layers = self.text.model.layers  # (asked for every layer of every step)
         self.policy = RowPolicy()
         if fuse is None:  # where our kernel runs; on the CPU mlx-lm's exact products stay
-            fuse = ours and kernels.backend() != "cpu" and kernels.mode() != "ops"
+            fuse = options.ours and kernels.backend() != "cpu" and self.mode != "ops"
         self.fused_in, self.fused_mlp = self._fuse() if fuse else ({}, {})
-        self.functions = LayerFunctions()
+        self.functions = LayerFunctions(options.compile)
         # Routed (MoE) layers on a GPU are never batched in a verify: which rows share an
         # expert's product changes from block to block, so a probe can pass by luck and a later
         # block differ. Nor are they compiled: on CUDA their compiled functions differ from the
@@ -352,7 +290,7 @@ class Qwen35Target:
         and the dense MLP's gate and up. One product reads the weights of all of a group, and
         a step launches fewer kernels (each launch has a floor of a few us on CUDA, and costs
         the host more): the norm before each group and the MLP's swiglu ride in the same
-        launch (kernels/quantized_matmul.py), 192 launches fewer a 27B step."""
+        launch (kernels/qmm_kernel.py), 192 launches fewer a 27B step."""
         fused_in, fused_mlp = {}, {}
         for i, layer in enumerate(self.layers):
             if layer.is_linear:
@@ -362,12 +300,13 @@ class Qwen35Target:
                 m = layer.self_attn
                 group = [m.q_proj, m.k_proj, m.v_proj]
             if FusedProjection.fusable(group):
-                fused_in[i] = FusedProjection(group)
+                fused_in[i] = FusedProjection(group, mode=self.mode)
             mlp = layer.mlp
             if hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj"):
                 group = [mlp.gate_proj, mlp.up_proj]
                 if FusedProjection.fusable(group):
-                    fused_mlp[i] = _mlp(FusedProjection(group, swiglu=True), mlp.down_proj)
+                    fused = FusedProjection(group, swiglu=True, mode=self.mode)
+                    fused_mlp[i] = _mlp(fused, mlp.down_proj)
         return fused_in, fused_mlp
 
     @property
@@ -400,32 +339,24 @@ class Qwen35Target:
         def make() -> Callable:
             layer = self.layers[i]
             mlp_add = self.fused_mlp.get(i) or residual_mlp(layer.mlp)
-            # Only our fused products finish a norm begun before them: the MLP's gate/up in the
-            # layer, the next layer's input projections across (whose MLP down add begins it).
-            begin = i in self.fused_mlp
-            last = i + 1 == len(self.layers)
-            then = None if last or not begin or i + 1 not in self.fused_in else (
-                self.layers[i + 1].input_layernorm)  # fmt: skip
             if kind == "pre":
                 return attention_pre(layer, self.fused_in.get(i))
             if kind == "post":
-                return attention_post(layer, mlp_add, begin, then)
+                return attention_post(layer, mlp_add)
             fused, norm = self.fused_in.get(i), layer.input_layernorm
             mid = layer.post_attention_layernorm
 
-            def linear(hs, conv_state, state):
-                h, *rest = _gated_delta(layer.linear_attn, _resumed(hs, norm), norm, conv_state,
-                                        state, keep, fused, mid if begin else None)  # fmt: skip
-                return (stream(mlp_add(h, mid, then)), *rest)
+            def linear(h, conv_state, state):
+                h, *rest = _gated_delta(layer.linear_attn, h, norm, conv_state, state, keep,
+                                        self.mode, fused)  # fmt: skip
+                return (mlp_add(h, mid), *rest)
 
             return linear
 
         return self.functions.get((kind, i, keep), make, compiled and not self.routed_on_gpu[i])
 
-    def _linear_layer(self, i: int, hs: tuple, cache, verify: bool, compiled: bool):
-        """A gated-delta layer over the stream ``hs`` (see ``stream``): its output stream and,
-        in a verify, its trace."""
-        h = hs[0]  # [B, T, H]
+    def _linear_layer(self, i: int, h: mx.array, cache, verify: bool, compiled: bool):
+        """A gated-delta layer over h [B, T, H]: its output and, in a verify, its trace."""
         m, T = self.layers[i].linear_attn, h.shape[1]
         conv_state, state = cache[0], cache[1]
         if conv_state is None:
@@ -434,47 +365,47 @@ class Qwen35Target:
             state = mx.zeros((h.shape[0], m.num_v_heads, m.head_v_dim, m.head_k_dim), mx.float32)
         step = self._fn("linear", i, False, compiled)  # what a decode step runs
         if not verify:
-            hs, _, cache[0], cache[1] = step(hs, conv_state, state)
-            return hs, None
+            h, _, cache[0], cache[1] = step(h, conv_state, state)
+            return h, None
 
         def single():  # position by position, exactly as decode steps
             outs, window, s, states, rows = [], conv_state, state, [], [conv_state]
             for t in range(T):
-                ht, conv_input, window, s = step(tuple(x[:, t : t + 1] for x in hs), window, s)
+                ht, conv_input, window, s = step(h[:, t : t + 1], window, s)
                 outs.append(ht)
                 rows.append(conv_input[:, -1:])
                 states.append(s)
-            return (tuple(mx.concatenate(p, 1) for p in zip(*outs, strict=True)),
-                    mx.concatenate(rows, 1), window, s, mx.stack(states[:-1]))  # fmt: skip
+            return (mx.concatenate(outs, 1), mx.concatenate(rows, 1), window, s,
+                    mx.stack(states[:-1]))  # fmt: skip
 
         batched = self._fn("linear", i, True, compiled)
         key = (self.policy.signature(self.layers[i]), T, str(h.dtype))
         if T == 1:
-            out = batched(hs, conv_state, state)
+            out = batched(h, conv_state, state)
         else:
-            out = self.policy.choose(key, lambda: batched(hs, conv_state, state), single,
+            out = self.policy.choose(key, lambda: batched(h, conv_state, state), single,
                                      probe=not self.unprobed[i])  # fmt: skip
-        hs, conv_input, cache[0], cache[1], states = out
-        return hs, GatedDeltaTrace(conv_input, states)
+        h, conv_input, cache[0], cache[1], states = out
+        return h, GatedDeltaTrace(conv_input, states)
 
-    def _attention_layer(self, i: int, hs: tuple, mask, cache, verify: bool, compiled: bool):
-        """A full-attention layer over the stream ``hs``: its output stream."""
-        layer, h = self.layers[i], hs[0]
+    def _attention_layer(self, i: int, h: mx.array, mask, cache, verify: bool, compiled: bool):
+        """A full-attention layer over h [B, T, H]: its output."""
+        layer = self.layers[i]
         m, policy, T = layer.self_attn, self.policy, h.shape[1]
         sig = policy.signature(layer)
         pre, post = self._fn("pre", i, compiled=compiled), self._fn("post", i, compiled=compiled)
-        q, k, v, gate = policy.rows(pre, hs, verify, (sig, "pre"), not self.unprobed[i])
+        q, k, v, gate = policy.rows(pre, (h,), verify, (sig, "pre"), not self.unprobed[i])
         if (not verify or T == 1 or mx.default_device() == mx.cpu
                 or rows_rope(m, cache, T) is not None):  # fmt: skip
             # MLX's CPU attention is row-invariant by construction (masked keys add exact zeros),
             # and so is decode_attention on a GPU (each row a decode step's arithmetic).
-            o = attention_core(m, q, k, v, gate, mask, cache)
+            o = attention_core(m, q, k, v, gate, mask, cache, self.mode)
         else:
             # MLX's GPU attention kernels differ between one query and a block, and only now and
             # then in the last bit (a probe can pass by luck): one position at a time, as decode.
             o = mx.concatenate(
-                [attention_core(m, *(x[:, t : t + 1] for x in (q, k, v, gate)), None, cache)
-                 for t in range(T)], axis=1)  # fmt: skip
+                [attention_core(m, *(x[:, t : t + 1] for x in (q, k, v, gate)), None, cache,
+                                self.mode) for t in range(T)], axis=1)  # fmt: skip
         return policy.rows(post, (h, o), verify, (sig, "post"), not self.unprobed[i])
 
     def forward(self, tokens: mx.array, cache: list, *, verify: bool = False) -> ForwardOut:
@@ -491,18 +422,23 @@ class Qwen35Target:
         kv = next((c for c, ly in zip(cache, self.layers, strict=True) if not ly.is_linear), None)
         mask = create_attention_mask(h, kv)  # unused where attention goes position by position
         traces: list[GatedDeltaTrace | None] = []
-        hs = (h,)  # the residual stream (see ``stream``)
         every = self.submit_every if verify else 0
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             if layer.is_linear:
-                hs, trace = self._linear_layer(i, hs, c, verify, compiled)
+                h, trace = self._linear_layer(i, h, c, verify, compiled)
             else:
-                hs, trace = self._attention_layer(i, hs, mask, c, verify, compiled), None
+                h, trace = self._attention_layer(i, h, mask, c, verify, compiled), None
             traces.append(trace)
             if every and (i + 1) % every == 0:
-                mx.async_eval(hs)
+                mx.async_eval(h)
         self.functions.end(T)
-        return ForwardOut(self.text.model.norm(hs[0]), traces if verify else None)
+        return ForwardOut(self.text.model.norm(h), traces if verify else None)
+
+    def rollback(self, cache: list, traces: list, n_keep: int, block: int) -> None:
+        rollback(cache, traces, n_keep, block)
+
+    def cache_arrays(self, cache: list) -> list[mx.array]:
+        return cache_arrays(cache)
 
     def prefill(self, tokens: mx.array, cache: list) -> mx.array:
         """Process a prompt [B, L] in chunks; returns the final-normed hidden states [B, L, H]."""
@@ -553,11 +489,11 @@ def build_model(config: ModelConfig) -> nn.Module:
     return family.Model(args)
 
 
-def load_target(model_dir: Path, config: ModelConfig) -> Qwen35Target:
+def load_target(model_dir: Path, config: ModelConfig, options: Options = Options()) -> Qwen35Target:
     """Load a target in any supported layout (mlx-community, flat, raw Hugging Face)."""
     model = build_model(config)
     # mlx-lm's sanitize is the layout fix for targets: drops vision and mtp.* tensors, maps
     # raw names, moves conv1d axes, and undoes the raw w-1 norm storage.
     weights = model.sanitize(load_arrays(model_dir))
     load_module_weights(model, weights, config.quantization, str(model_dir))
-    return Qwen35Target(model, config)
+    return Qwen35Target(model, config, options)

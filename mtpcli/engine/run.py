@@ -1,0 +1,149 @@
+"""One generation as a user asks for it: the prompt encoded, the MTP gate, the engine it
+chose, the text decoded as it streams, and what the gate should remember afterwards. The CLI
+and other tools (a server, a notebook) call ``generate``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .. import gate
+from ..config import check_block_size
+from ..errors import UsageError
+from ..loading import Loaded
+from ..tokenizer import encode_prompt
+from . import GenerationStats
+from .classic import generate_classic
+from .mtp import generate_mtp
+from .sampling import SamplingParams
+
+
+@dataclass
+class GenerateResult:
+    """What one ``generate`` call produced and decided."""
+
+    text: str
+    tokens: list[int]
+    draft_kind: str  # what the drafter is: "mtp" or "none"
+    block_size: int | None  # the block size MTP ran (or would have run) at
+    mtp_engaged: bool
+    gate_reason: str | None  # why the gate engaged MTP or kept it off
+    expected_speedup: float | None  # the gate's prediction for this run
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def as_dict(self) -> dict:
+        """The result as JSON-ready data (``mtp generate --json``)."""
+        s, r = self.stats, self.stats.mtp
+        stats = {
+            "prompt_tokens": s.prompt_tokens,
+            "prompt_tps": s.prompt_tps,
+            "generation_tokens": s.generation_tokens,
+            "generation_tps": s.generation_tps,
+            "peak_memory_gb": s.peak_memory_gb,
+            "acceptance_rate": r.acceptance_rate if r else 0.0,
+            "rounds": r.rounds if r else 0,
+        }
+        if r:
+            stats |= {
+                "drafted": r.drafted,
+                "accepted": r.accepted,
+                "acceptance_by_position": r.acceptance_by_position,
+                "accept_histogram": r.accept_histogram,
+                "tokens_per_verify": r.tokens_per_verify,
+                "draft_ms": r.draft_s * 1000,
+                "verify_ms": r.verify_s * 1000,
+                "verify_build_ms": r.verify_build_s * 1000,
+                "rollback_ms": r.rollback_s * 1000,
+            }
+        return {
+            "text": self.text,
+            "tokens": self.tokens,
+            "draft_kind": self.draft_kind,
+            "block_size": self.block_size,
+            "mtp_engaged": self.mtp_engaged,
+            "gate_reason": self.gate_reason,
+            "expected_speedup": self.expected_speedup,
+            "stats": stats,
+        }
+
+
+def _silent(_: str) -> None:
+    pass
+
+
+def generate(
+    pair: Loaded,
+    prompt: str | Sequence[int],
+    *,
+    max_tokens: int = 256,
+    sampling: SamplingParams = SamplingParams(),
+    block_size: int | None = None,
+    force_mtp: bool = False,
+    system_prompt: str | None = None,
+    chat_template: bool = True,
+    seed: int | None = None,
+    on_text: Callable[[str], None] = _silent,
+    note: Callable[[str], None] = _silent,
+    on_decision: Callable[[gate.GateDecision], None] = lambda decision: None,
+) -> GenerateResult:
+    """Generate from ``prompt`` (text, through the chat template where the tokenizer has one
+    and ``chat_template``; or token ids as they are) with the pair ``load_pair`` gave.
+
+    With a drafter, the MTP gate decides whether MTP pays on this machine and, without
+    ``block_size``, at which block size; ``force_mtp`` runs MTP regardless (at ``block_size``
+    or the drafter's). ``on_text`` receives the text as it is decoded, ``note`` the gate's
+    messages (calibration, a cache entry measured again), ``on_decision`` the gate's decision
+    before decoding starts. At temperature 0 the tokens are those of classic decoding whatever
+    the gate decides.
+    """
+    if max_tokens < 1:
+        raise UsageError(f"max_tokens must be at least 1, got {max_tokens}")
+    if block_size is not None:
+        check_block_size(block_size, "--draft-block-size")
+        if pair.drafter is None:
+            raise UsageError("--draft-block-size needs --draft-model (a qwen3_5_mtp drafter)")
+    if force_mtp and pair.drafter is None:
+        raise UsageError("--draft-kind mtp needs --draft-model (a qwen3_5_mtp drafter)")
+    tokenizer, target = pair.tokenizer, pair.target
+    if isinstance(prompt, str):
+        ids = encode_prompt(tokenizer, prompt, system_prompt, not chat_template)
+    else:
+        ids = list(prompt)
+    eos = set(tokenizer.eos_token_ids) | set(target.config.eos_token_ids)
+    if seed is not None:
+        mx.random.seed(seed)
+    stats = GenerationStats()
+    decision = None
+    if pair.drafter is not None:
+        decision = gate.gate(
+            target, pair.drafter, block_size or pair.drafter.block_size, pair.pair_key,
+            forced=force_mtp, adapt=block_size is None, note=note,
+        )  # fmt: skip
+        on_decision(decision)
+    engaged = decision is not None and decision.engaged
+    if engaged:
+        tokens = generate_mtp(target, pair.drafter, ids, block_size=decision.block,
+                              max_tokens=max_tokens, sampling=sampling, eos_ids=eos,
+                              stats=stats)  # fmt: skip
+    else:
+        tokens = generate_classic(target, ids, max_tokens=max_tokens, sampling=sampling,
+                                  eos_ids=eos, stats=stats)  # fmt: skip
+    detok = tokenizer.detokenizer
+    detok.reset()
+    out_ids = []
+    for t in tokens:
+        out_ids.append(t)
+        detok.add_token(t)
+        on_text(detok.last_segment)  # reading it advances the detokenizer
+    detok.finalize()
+    on_text(detok.last_segment)
+    if engaged:
+        gate.remember(pair.pair_key, stats.mtp, note=note)
+    return GenerateResult(
+        text=detok.text, tokens=out_ids, draft_kind=pair.draft_kind,
+        block_size=decision.block if decision else None, mtp_engaged=engaged,
+        gate_reason=decision.reason if decision else None,
+        expected_speedup=decision.expected_speedup if decision else None, stats=stats,
+    )  # fmt: skip

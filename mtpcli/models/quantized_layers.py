@@ -1,0 +1,148 @@
+"""The model-side quantized layers: mlx-lm's quantized linear and embedding classes routed
+through our product (``kernels/quantized_matmul.py``), sibling projections fused into one
+product, and a projection that adds the residual in its launch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..kernels.quantized_matmul import quantized_matmul
+
+
+class KernelQuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` whose product runs through ``quantized_matmul`` (under the kernel
+    mode ``install`` gave it)."""
+
+    kernel_mode = "auto"
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = quantized_matmul(
+            x, self["weight"], self["scales"], self.get("biases"),
+            group_size=self.group_size, bits=self.bits, mode=self.kernel_mode,
+        )  # fmt: skip
+        return y + self["bias"] if "bias" in self else y
+
+
+class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` whose tied-head product runs through ``quantized_matmul``."""
+
+    kernel_mode = "auto"
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return quantized_matmul(
+            x, self["weight"], self["scales"], self.get("biases"),
+            group_size=self.group_size, bits=self.bits, mode=self.kernel_mode,
+        )  # fmt: skip
+
+
+def linear_add(layer: nn.Module, x: mx.array, residual: mx.array) -> mx.array:
+    """``residual + layer(x)``: one launch where ``layer`` runs through our product, which adds
+    the residual in its store with MLX's rounding; otherwise the two ops."""
+    if type(layer) is not KernelQuantizedLinear or "bias" in layer:
+        return residual + layer(x)
+    return quantized_matmul(
+        x, layer["weight"], layer["scales"], layer.get("biases"), group_size=layer.group_size,
+        bits=layer.bits, residual=residual, mode=layer.kernel_mode,
+    )  # fmt: skip
+
+
+class FusedProjection(nn.Module):
+    """Sibling quantized projections of one input as one product (one launch, one weight read).
+
+    The siblings' weights are concatenated along the output axis once; the siblings keep views
+    of their rows, so no weight is stored twice. Our kernel computes each output row the same
+    way whatever the other rows are, so the fused outputs equal the separate ones bitwise.
+    With ``swiglu`` the two siblings are an MLP's gate and up, and the product returns
+    swiglu(gate, up). Called with the RMSNorm that precedes it, the product normalises its
+    input itself (the norm's launch saved, its rounding the product's).
+    """
+
+    def __init__(self, linears: list[nn.QuantizedLinear], swiglu: bool = False,
+                 mode: str = "auto"):  # fmt: skip
+        super().__init__()
+        first = linears[0]
+        self.group_size, self.bits, self.kernel_mode = first.group_size, first.bits, mode
+        self.sizes = [m.weight.shape[0] for m in linears]
+        if swiglu and (len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]):
+            raise ValueError(f"swiglu needs a gate and an up of one size, got {self.sizes}")
+        self.swiglu = swiglu
+        self._cuts = [sum(self.sizes[: i + 1]) for i in range(len(self.sizes) - 1)]
+        for name in ("weight", "scales", "biases"):
+            fused = mx.concatenate([m[name] for m in linears])  # [sum(N), ...]
+            mx.eval(fused)
+            self[name] = fused
+            start = 0
+            for m, n in zip(linears, self.sizes, strict=True):
+                m[name] = fused[start : start + n]  # a view: the sibling's own rows
+                start += n
+        mx.eval([m.parameters() for m in linears])
+
+    @staticmethod
+    def fusable(linears: list) -> bool:
+        first = linears[0]
+        return all(
+            isinstance(m, nn.QuantizedLinear)
+            and getattr(m, "mode", "affine") == "affine"
+            and "bias" not in m
+            and "biases" in m
+            and (m.group_size, m.bits, m.weight.shape[1]) == (
+                first.group_size, first.bits, first.weight.shape[1])
+            for m in linears
+        )  # fmt: skip
+
+    def __call__(self, x: mx.array, norm: nn.RMSNorm | None = None) -> mx.array:
+        """x [..., K] (normed by ``norm`` first, if given) -> the siblings' outputs side by side,
+        [..., sum(N)] (see ``split``); with ``swiglu``, swiglu(gate, up) [..., N/2]."""
+        opts = {} if norm is None else {"norm_weight": norm.weight, "eps": norm.eps}
+        return quantized_matmul(
+            x, self["weight"], self["scales"], self["biases"], group_size=self.group_size,
+            bits=self.bits, swiglu=self.swiglu, mode=self.kernel_mode, **opts,
+        )  # fmt: skip
+
+    def split(self, y: mx.array) -> list[mx.array]:
+        return mx.split(y, self._cuts, axis=-1)
+
+    def start(self, i: int) -> int:
+        """Where sibling i's outputs begin in the fused outputs' last axis."""
+        return ([0] + self._cuts)[i]
+
+
+_OURS = {nn.QuantizedLinear: KernelQuantizedLinear, nn.QuantizedEmbedding: KernelQuantizedEmbedding}
+_STOCK = {v: k for k, v in _OURS.items()}
+
+
+def install(module: nn.Module, mode: str = "auto", enabled: bool = True) -> int:
+    """Route every affine-quantized linear layer of ``module`` through ``quantized_matmul``
+    under kernel ``mode``.
+
+    The classes are swapped in place (they add no state but the mode), so parameters, names
+    and the checkpoint layout stay mlx-lm's; ``enabled=False`` swaps mlx's own classes back.
+    Returns how many layers were swapped.
+    """
+    table = _OURS if enabled else _STOCK
+    swapped = 0
+    for _, m in module.named_modules():
+        cls = table.get(type(m))
+        if cls is not None and getattr(m, "mode", "affine") == "affine":
+            m.__class__ = cls
+            swapped += 1
+        if enabled and type(m) in _STOCK:
+            m.kernel_mode = mode
+    return swapped
+
+
+@contextmanager
+def stock_layers(module: nn.Module) -> Iterator[None]:
+    """Run a block with mlx's own quantized layers (for a peer measured on the same weights);
+    the layers that were ours are ours again afterwards, and only those."""
+    ours = [m for _, m in module.named_modules() if type(m) in _STOCK]
+    install(module, enabled=False)
+    try:
+        yield
+    finally:
+        for m in ours:
+            m.__class__ = _OURS[type(m)]

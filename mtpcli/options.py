@@ -1,0 +1,60 @@
+"""How a loaded target runs: the one place its kernel, product, compilation and submission
+choices live. Fixed when the target is loaded; validated once, here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UsageError
+from .kernels import MODES, backend
+
+QMM_CHOICES = ("auto", "mlx", "ours")
+# Where a GPU runs, a verify block goes to the device every this many layers as it is built
+# (8 measured best on the H200 against 2, 4 and 16); on the CPU at its wait, where the
+# device's compute would hide the overlap anyway.
+SUBMIT_EVERY_GPU = 8
+
+
+@dataclass(frozen=True)
+class Options:
+    """``kernels``: ``auto`` (native kernels after a run-time check against the ops
+    reference), ``native`` (unchecked) or ``ops`` (the reference only). ``qmm``: the quantized
+    matmul, ``ours`` (one weight read for 1-8 rows, rows exact by construction), ``mlx``
+    (MLX's own) or ``auto`` (ours on CUDA, where it measured faster end to end; MLX's tuned
+    Metal product elsewhere). ``compile``: decode steps and verify blocks run as
+    ``mx.compile``d layer functions (a 27B step's graph takes as long to build op by op as the
+    GPU takes to run it). ``submit_every``: a verify block is submitted every this many layers
+    as it is built (0: once, at its wait; None: ``SUBMIT_EVERY_GPU`` on a GPU, 0 on the CPU)."""
+
+    kernels: str = "auto"
+    qmm: str = "auto"
+    compile: bool = True
+    submit_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kernels not in MODES:
+            raise UsageError(f"--kernels must be one of {', '.join(MODES)}, got {self.kernels!r}")
+        if self.qmm not in QMM_CHOICES:
+            raise UsageError(f"--qmm must be one of {', '.join(QMM_CHOICES)}, got {self.qmm!r}")
+        if not isinstance(self.compile, bool):
+            raise UsageError(f"compile must be True or False, got {self.compile!r}")
+        every = self.submit_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int)
+                                  or not 0 <= every <= 1024):  # fmt: skip
+            raise UsageError(f"submit_every must be a number of layers in [0, 1024], got {every!r}")
+
+    @property
+    def ours(self) -> bool:
+        """Whether quantized layers run through our product."""
+        return self.qmm == "ours" or (self.qmm == "auto" and backend() == "cuda")
+
+    @property
+    def layers_a_submit(self) -> int:
+        if self.submit_every is not None:
+            return self.submit_every
+        return 0 if backend() == "cpu" else SUBMIT_EVERY_GPU
+
+    def describe(self) -> str:
+        """The choices as resolved on this backend, for reports and the gate's cache key."""
+        qmm = ("ours" if self.ours else "mlx") + (" (auto)" if self.qmm == "auto" else "")
+        return f"kernels {self.kernels}, quantized matmul {qmm}"
