@@ -454,3 +454,18 @@ def test_a_constant_input_is_made_once_per_weight_and_goes_with_it():
     del w
     gc.collect()
     assert key not in kernels._constants and (id(other), "rows") in kernels._constants
+
+
+def test_a_kernel_text_with_a_missing_or_stray_part_is_refused():
+    """``fill`` replaces each ``{{NAME}}``; a placeholder without its part, or a part with no
+    placeholder (a misspelled name), fails loudly instead of building a half-filled kernel."""
+    from mtpcli.kernels import fill
+
+    assert fill("a {{X}} b {{Y}} {{X}}", X="1", Y="2") == "a 1 b 2 1"
+    with pytest.raises(ValueError, match=r"placeholders without a part \['Y'\]"):
+        fill("{{X}} {{Y}}", X="1")
+    with pytest.raises(ValueError, match=r"parts without a placeholder \['Z'\]"):
+        fill("{{X}}", X="1", Z="2")
+    for module_text in (gd._TEMPLATE,):
+        with pytest.raises(ValueError, match="KEEP_STATES"):
+            fill(module_text)  # every part of the real kernel is asked for
