@@ -12,7 +12,7 @@ import platform
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -554,7 +554,7 @@ def run(
     *,
     synthetic: str | None = None,
     bits: int = 4,
-    blocks: list[int] = (3,),  # type: ignore[assignment]
+    blocks: Sequence[int] = (3,),
     repeats: int = 5,
     max_tokens: int = 256,
     prompts_file: Path | None = None,
