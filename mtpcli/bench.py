@@ -621,7 +621,7 @@ def run(
         "command": command, "model": label, "blocks": list(blocks), "repeats": repeats,
         "max_tokens": max_tokens, "prompts": len(prompts), "simulate_acceptance": simulate,
         "peers": peers, "kernels": options.kernels,
-        "qmm": ("ours" if options.ours else "mlx") + (" (auto)" if options.qmm == "auto" else ""),
+        "qmm": options.qmm_label,
         "submit_every": target.submit_every, "peer_notes": peer_notes,
     }  # fmt: skip
     return to_json(result, table, info, settings, gate_doc)

@@ -54,7 +54,10 @@ class Options:
             return self.submit_every
         return 0 if backend() == "cpu" else SUBMIT_EVERY_GPU
 
+    @property
+    def qmm_label(self) -> str:
+        """The product as resolved on this backend, and whether ``auto`` chose it."""
+        return ("ours" if self.ours else "mlx") + (" (auto)" if self.qmm == "auto" else "")
+
     def describe(self) -> str:
-        """The choices as resolved on this backend, for reports and the gate's cache key."""
-        qmm = ("ours" if self.ours else "mlx") + (" (auto)" if self.qmm == "auto" else "")
-        return f"kernels {self.kernels}, quantized matmul {qmm}"
+        return f"kernels {self.kernels}, quantized matmul {self.qmm_label}"
