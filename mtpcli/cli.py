@@ -91,6 +91,32 @@ def _print_stats(stats, draft_kind: str) -> None:
         )
 
 
+DRAFT_QUANTIZE = typer.Option(
+    None, "--draft-quantize", help="Quantize a bf16 drafter at load: 4 or 8 bits (group 64)."
+)
+
+
+def _load(model, draft_model, draft_kind, draft_block_size, draft_quantize, options):
+    """The target and drafter a command runs: the built-in example without ``-m``."""
+    from .config import check_block_size
+    from .example import NOTE, ensure_example
+    from .loading import load_pair
+
+    if draft_block_size is not None:
+        check_block_size(draft_block_size, "--draft-block-size")
+    if draft_quantize is not None and draft_quantize not in (4, 8):
+        raise UsageError(f"--draft-quantize must be 4 or 8, got {draft_quantize}")
+    if model is None:
+        target_dir, example_drafter = ensure_example()
+        model, draft_model = str(target_dir), draft_model or str(example_drafter)
+        err.print(f"[yellow]{NOTE}[/yellow]")
+    if draft_block_size is not None and draft_model is None:
+        raise UsageError("--draft-block-size needs --draft-model (a qwen3_5_mtp drafter)")
+    if draft_quantize is not None and draft_model is None:
+        raise UsageError("--draft-quantize needs --draft-model (a qwen3_5_mtp drafter)")
+    return load_pair(model, draft_model, draft_kind, options, draft_quantize)
+
+
 @app.command()
 @_interruptible
 def generate(
@@ -109,6 +135,7 @@ def generate(
         "--draft-block-size",
         help="Tokens per round, pending token included (default: the drafter's block_size).",
     ),
+    draft_quantize: int | None = DRAFT_QUANTIZE,
     prompt: str | None = typer.Option(
         None, "-p", "--prompt", help="Prompt text; '-' or absent reads stdin."
     ),
@@ -143,24 +170,13 @@ def generate(
     ),  # fmt: skip
 ) -> None:
     """Generate text, with MTP speculative decoding when a drafter is given."""
-    from .config import check_block_size
     from .engine.run import generate as run_generate
     from .engine.sampling import SamplingParams
-    from .example import NOTE, ensure_example
-    from .loading import load_pair
     from .options import Options
 
-    options = Options(kernels=kernels, qmm=qmm)
     sampling = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    if draft_block_size is not None:
-        check_block_size(draft_block_size, "--draft-block-size")
-    if model is None:
-        target_dir, example_drafter = ensure_example()
-        model, draft_model = str(target_dir), draft_model or str(example_drafter)
-        err.print(f"[yellow]{NOTE}[/yellow]")
-    if draft_block_size is not None and draft_model is None:
-        raise UsageError("--draft-block-size needs --draft-model (a qwen3_5_mtp drafter)")
-    loaded = load_pair(model, draft_model, draft_kind, options)
+    loaded = _load(model, draft_model, draft_kind, draft_block_size, draft_quantize,
+                   Options(kernels=kernels, qmm=qmm))  # fmt: skip
     text = _read_prompt(prompt)
     if verbose:
         err.print(
@@ -187,6 +203,51 @@ def generate(
     else:
         sys.stdout.write("\n")
         _print_stats(result.stats, loaded.draft_kind)
+
+
+@app.command()
+@_interruptible
+def serve(
+    model: str | None = typer.Option(
+        None, "-m", "--model", help="Target: directory or repo id (default: built-in example)."
+    ),
+    draft_model: str | None = typer.Option(
+        None, "--draft-model", help="A standalone qwen3_5_mtp drafter: directory or repo id."
+    ),
+    draft_kind: str = typer.Option("auto", "--draft-kind", help="auto | mtp | none."),
+    draft_block_size: int | None = typer.Option(
+        None, "--draft-block-size", help="Tokens per round (default: the gate's choice)."
+    ),
+    draft_quantize: int | None = DRAFT_QUANTIZE,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on."),
+    model_name: str | None = typer.Option(
+        None, "--model-name", help="The id clients ask for (default: -m as given, or 'example')."
+    ),
+    max_tokens: int = typer.Option(
+        256, "--max-tokens", min=1, help="Tokens a request gets when it names no max_tokens."
+    ),
+    kernels: str = typer.Option(
+        "auto", "--kernels", envvar="MTP_KERNELS", help="auto | native | ops, as for generate."
+    ),  # fmt: skip
+    qmm: str = typer.Option(
+        "auto", "--qmm", envvar="MTP_QMM", help="auto | mlx | ours, as for generate."
+    ),  # fmt: skip
+) -> None:
+    """Serve the target over an OpenAI-compatible HTTP API (needs the 'serve' extra)."""
+    from .options import Options
+    from .serve import check_port, check_serve_extra
+    from .serve import serve as run_server
+
+    check_serve_extra()
+    check_port(host, port)  # before minutes of loading
+    loaded = _load(model, draft_model, draft_kind, draft_block_size, draft_quantize,
+                   Options(kernels=kernels, qmm=qmm))  # fmt: skip
+    run_server(
+        loaded, model_name or model or "example", host=host, port=port,
+        block_size=draft_block_size, force_mtp=draft_kind == "mtp",
+        default_max_tokens=max_tokens, note=_note,
+    )  # fmt: skip
 
 
 @app.command("inspect-weights")

@@ -67,6 +67,11 @@ class Interrupted(MtpError):
     exit_code = 130
 
 
+class ServeError(MtpError):
+    """``mtp serve`` cannot start: its extra is not installed, or the host and port cannot be
+    listened on."""
+
+
 class UsageError(MtpError):
     """An argument combination or value the engine cannot honour."""
 

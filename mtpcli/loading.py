@@ -171,19 +171,23 @@ class Loaded:
     target_dir: Path
     drafter_dir: Path | None
     options: Options = Options()
+    draft_quantize: int | None = None  # bits the drafter was quantized to at load
 
     @property
     def pair_key(self) -> str:
         """Names this target and drafter wherever they are reached from (links, relative
         paths, repo ids): the gate keeps the pair's acceptance under it."""
         drafter = self.drafter_dir.resolve() if self.drafter_dir else None
-        return f"{self.target_dir.resolve()}|{drafter}"
+        bits = f"|q{self.draft_quantize}" if self.draft_quantize else ""
+        return f"{self.target_dir.resolve()}|{drafter}{bits}"
 
 
 def load_pair(model: str, draft_model: str | None = None, draft_kind: str = "auto",
-              options: Options = Options()) -> Loaded:  # fmt: skip
+              options: Options = Options(),
+              draft_quantize: int | None = None) -> Loaded:  # fmt: skip
     """Resolve, gate and load a target (+ drafter): local directories or Hugging Face repo ids;
-    ``draft_kind`` auto, mtp or none. Nothing is allocated before the checks pass."""
+    ``draft_kind`` auto, mtp or none; ``draft_quantize`` (4 or 8) quantizes a bf16 drafter at
+    load. Nothing is allocated before the checks pass."""
     from .drafters.qwen3_5_mtp import load_drafter
     from .models.qwen3_5 import load_target
 
@@ -206,5 +210,7 @@ def load_pair(model: str, draft_model: str | None = None, draft_kind: str = "aut
     dcfg = check_drafter(drafter_dir, tcfg) if kind == "mtp" else None
     tokenizer = load_tokenizer(target_dir, tcfg.eos_token_ids, tcfg.text.vocab_size)
     target = load_target(target_dir, tcfg, options)
-    drafter = load_drafter(drafter_dir, dcfg, target.embed_tokens, options) if dcfg else None
-    return Loaded(target, drafter, tokenizer, kind, target_dir, drafter_dir, options)
+    drafter = (load_drafter(drafter_dir, dcfg, target.embed_tokens, options, draft_quantize)
+               if dcfg else None)  # fmt: skip
+    return Loaded(target, drafter, tokenizer, kind, target_dir, drafter_dir, options,
+                  draft_quantize if dcfg else None)  # fmt: skip

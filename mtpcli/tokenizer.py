@@ -45,17 +45,22 @@ def encode_prompt(
     """Prompt ids: through the chat template when the tokenizer has one (and it is not
     ignored), else the plain text."""
     for what, text in (("prompt", prompt), ("system prompt", system or "")):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # undecodable argv bytes arrive as lone surrogates
-            raise PromptError(
-                f"the {what} is not valid UTF-8 (at character {e.start}); pass UTF-8 text"
-            ) from e
+        _check_utf8(what, text)
     if ignore_template or not getattr(tokenizer, "chat_template", None):
         return tokenizer.encode(prompt)
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": prompt}
     ]
+    return encode_messages(tokenizer, messages)
+
+
+def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """A conversation's ids through the chat template, ready for the assistant's turn; without
+    a template, the contents joined by blank lines as plain text."""
+    for m in messages:
+        _check_utf8(f"{m['role']} message", m["content"])
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode("\n\n".join(m["content"] for m in messages))
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 - the template is a user-supplied Jinja program
@@ -64,3 +69,12 @@ def encode_prompt(
             "--ignore-chat-template"
         ) from e
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _check_utf8(what: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # undecodable argv bytes arrive as lone surrogates
+        raise PromptError(
+            f"the {what} is not valid UTF-8 (at character {e.start}); pass UTF-8 text"
+        ) from e

@@ -7,6 +7,7 @@ draft's hidden (through the borrowed head) and the ``hidden`` of the next chaine
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,6 +17,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from ..config import ModelConfig
+from ..errors import UsageError
 from ..models.quantized_layers import install
 from ..models.qwen3_5 import (
     LayerFunctions,
@@ -90,9 +92,36 @@ class Qwen35MTPDrafter:
         return cache[0].offset
 
 
+DRAFT_BITS = (4, 8)
+
+
+def quantize_drafter(module: Qwen35MTP, bits: int, group_size: int = 64) -> dict:
+    """Quantize a drafter's linear layers (affine, ``bits`` 4 or 8) in place; returns the
+    config's ``quantization`` entry. Its norms stay as they are."""
+    if bits not in DRAFT_BITS:
+        raise UsageError(f"a drafter quantizes to 4 or 8 bits, got {bits}")
+    if group_size not in (32, 64, 128):
+        raise UsageError(f"the quantization group size must be 32, 64 or 128, got {group_size}")
+    nn.quantize(module, group_size=group_size, bits=bits,
+                class_predicate=lambda _, m: isinstance(m, nn.Linear)
+                and m.weight.shape[-1] % group_size == 0)  # fmt: skip
+    mx.eval(module.parameters())
+    return {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+
 def load_drafter(model_dir: Path, config: ModelConfig, embed_tokens: nn.Module,
-                 options: Options = Options()) -> Qwen35MTPDrafter:  # fmt: skip
+                 options: Options = Options(), quantize: int | None = None,
+                 ) -> Qwen35MTPDrafter:  # fmt: skip
+    """Load a drafter; ``quantize`` (4 or 8) quantizes a bf16 one at load."""
     module = Qwen35MTP(config)
     weights = sanitize_drafter(load_arrays(model_dir))
     load_module_weights(module, weights, config.quantization, str(model_dir))
+    if quantize is not None:
+        if config.quantization:
+            raise UsageError(
+                f"the drafter {model_dir} is already quantized ({config.quantization.get('bits')}"
+                "-bit); --draft-quantize applies to a bf16 drafter"
+            )
+        # the config says so, as a quantized checkpoint's would (the gate keys costs on it)
+        config = replace(config, quantization=quantize_drafter(module, quantize))
     return Qwen35MTPDrafter(module, config, embed_tokens, options)

@@ -32,6 +32,8 @@ class GenerateResult:
     gate_reason: str | None  # why the gate engaged MTP or kept it off
     expected_speedup: float | None  # the gate's prediction for this run
     stats: GenerationStats = field(default_factory=GenerationStats)
+    # "stop" (EOS or a stop string), "length" (max_tokens reached) or "cancelled"
+    finish_reason: str = "stop"
 
     def as_dict(self) -> dict:
         """The result as JSON-ready data (``mtp generate --json``)."""
@@ -65,12 +67,45 @@ class GenerateResult:
             "mtp_engaged": self.mtp_engaged,
             "gate_reason": self.gate_reason,
             "expected_speedup": self.expected_speedup,
+            "finish_reason": self.finish_reason,
             "stats": stats,
         }
 
 
 def _silent(_: str) -> None:
     pass
+
+
+class StopText:
+    """Streamed text cut before the first of ``stops``: ``feed`` returns what may be shown so
+    far, holding back a tail that could begin a stop string."""
+
+    def __init__(self, stops: Sequence[str] = ()) -> None:
+        self.stops = [s for s in stops if s]
+        self.text = ""  # everything fed
+        self.sent = 0  # how much of it ``feed`` returned
+        self.hit = False
+
+    def feed(self, segment: str) -> str:
+        if self.hit:  # the text ended at the stop string
+            return ""
+        self.text += segment
+        found = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.hit, end = True, min(found)
+            self.text = self.text[:end]
+        else:
+            end = len(self.text) - max(
+                (k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])),
+                default=0,
+            )
+        out, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return out
+
+    def flush(self) -> str:
+        """The held-back tail, once no more text will come."""
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out
 
 
 def generate(
@@ -84,6 +119,8 @@ def generate(
     system_prompt: str | None = None,
     chat_template: bool = True,
     seed: int | None = None,
+    stop: Sequence[str] = (),
+    cancelled: Callable[[], bool] = lambda: False,
     on_text: Callable[[str], None] = _silent,
     note: Callable[[str], None] = _silent,
     on_decision: Callable[[gate.GateDecision], None] = lambda decision: None,
@@ -95,8 +132,10 @@ def generate(
     ``block_size``, at which block size; ``force_mtp`` runs MTP regardless (at ``block_size``
     or the drafter's). ``on_text`` receives the text as it is decoded, ``note`` the gate's
     messages (calibration, a cache entry measured again), ``on_decision`` the gate's decision
-    before decoding starts. At temperature 0 the tokens are those of classic decoding whatever
-    the gate decides.
+    before decoding starts. Decoding ends at EOS, after ``max_tokens``, where the text first
+    holds one of the ``stop`` strings (the text is cut before it, and no part of it is streamed),
+    or once ``cancelled()`` says so (asked before each token). At temperature 0 the tokens are
+    those of classic decoding whatever the gate decides.
     """
     if max_tokens < 1:
         raise UsageError(f"max_tokens must be at least 1, got {max_tokens}")
@@ -132,18 +171,38 @@ def generate(
                                   eos_ids=eos, stats=stats)  # fmt: skip
     detok = tokenizer.detokenizer
     detok.reset()
-    out_ids = []
-    for t in tokens:
-        out_ids.append(t)
-        detok.add_token(t)
-        on_text(detok.last_segment)  # reading it advances the detokenizer
-    detok.finalize()
-    on_text(detok.last_segment)
+    out_ids: list[int] = []
+    shown = StopText(stop)
+    finish = None
+    try:
+        for t in tokens:
+            if cancelled():
+                finish = "cancelled"
+                break
+            out_ids.append(t)
+            detok.add_token(t)
+            _emit(on_text, shown.feed(detok.last_segment))  # reading it advances the detokenizer
+            if shown.hit:
+                finish = "stop"
+                break
+    finally:
+        tokens.close()  # the engine's own clean-up runs now, not when it is collected
+    if finish is None:
+        detok.finalize()
+        _emit(on_text, shown.feed(detok.last_segment))
+        finish = "length" if len(out_ids) >= max_tokens else "stop"
+    _emit(on_text, shown.flush())
     if engaged:
         gate.remember(pair.pair_key, stats.mtp, note=note)
     return GenerateResult(
-        text=detok.text, tokens=out_ids, draft_kind=pair.draft_kind,
+        text=shown.text, tokens=out_ids, draft_kind=pair.draft_kind,
         block_size=decision.block if decision else None, mtp_engaged=engaged,
         gate_reason=decision.reason if decision else None,
         expected_speedup=decision.expected_speedup if decision else None, stats=stats,
+        finish_reason=finish,
     )  # fmt: skip
+
+
+def _emit(on_text: Callable[[str], None], text: str) -> None:
+    if text:
+        on_text(text)

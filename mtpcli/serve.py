@@ -1,0 +1,412 @@
+"""``mtp serve``: an OpenAI-compatible HTTP server over the engine ``mtp generate`` runs.
+
+``/v1/chat/completions`` and ``/v1/completions`` (streamed as server-sent events or not),
+``/v1/models`` and ``/health``. Each request goes through ``engine.run.generate``: the same
+prompt encoding, gate, engines and exactness as the CLI. One request decodes at a time, on the
+main thread (MLX's work stays on one thread); the others wait in a queue, and the HTTP side
+(Starlette on uvicorn, in a thread of its own) only parses, queues and relays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .engine import check_room
+from .engine.run import GenerateResult, generate
+from .engine.sampling import SamplingParams
+from .errors import ContextTooLongError, MtpError, ServeError, UsageError
+from .loading import Loaded
+from .tokenizer import encode_messages, encode_prompt
+
+MAX_STOPS = 4  # as OpenAI's API
+MAX_BODY_BYTES = 8 << 20
+
+
+class BadRequest(Exception):
+    """A request the server refuses: its HTTP status, OpenAI error type, message and field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = (
+            status, message, param, kind, code,
+        )  # fmt: skip
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}  # fmt: skip
+
+
+@dataclass
+class Job:
+    """One request's decoding: what to decode, and the events it yields to its handler."""
+
+    ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int | None
+    stop: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def put(self, kind: str, value: Any = None) -> None:
+        """From the decoding thread: hand an event to the handler's event loop."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+class Decoder:
+    """Decodes queued jobs one at a time with a loaded pair (``run`` on the main thread)."""
+
+    def __init__(self, loaded: Loaded, block_size: int | None = None, force_mtp: bool = False,
+                 note: Callable[[str], None] = lambda msg: None):  # fmt: skip
+        self.loaded, self.block_size, self.force_mtp = loaded, block_size, force_mtp
+        self.note = note
+        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.busy = False
+        self.served = 0
+        self.cancelled = 0
+
+    def submit(self, job: Job) -> None:
+        self.jobs.put(job)
+
+    def run(self, keep_going: Callable[[], bool]) -> None:
+        while keep_going():
+            try:
+                job = self.jobs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self.busy = True
+            try:
+                self.decode(job)
+            finally:
+                self.busy = False
+
+    def decode(self, job: Job) -> None:
+        if job.cancel.is_set():  # the client left while the job waited
+            self.cancelled += 1
+            return
+        try:
+            result = generate(
+                self.loaded, job.ids, max_tokens=job.max_tokens, sampling=job.sampling,
+                block_size=self.block_size, force_mtp=self.force_mtp, seed=job.seed,
+                stop=job.stop, cancelled=job.cancel.is_set,
+                on_text=lambda text: job.put("text", text), note=self.note,
+            )  # fmt: skip
+        except MtpError as e:
+            job.put("error", BadRequest(400 if isinstance(e, UsageError) else 500, str(e),
+                                        kind="invalid_request_error" if isinstance(e, UsageError)
+                                        else "server_error"))  # fmt: skip
+            return
+        except Exception as e:  # noqa: BLE001 - one failed request must not stop the server
+            job.put("error", BadRequest(500, f"decoding failed: {type(e).__name__}: {e}",
+                                        kind="server_error"))  # fmt: skip
+            return
+        self.served += 1
+        self.cancelled += result.finish_reason == "cancelled"
+        job.put("done", result)
+
+
+def _int(body: dict, name: str, default: int | None, low: int, high: int) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadRequest(400, f"'{name}' must be an integer in [{low}, {high}], got {value!r}",
+                         name)  # fmt: skip
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadRequest(400, f"'{name}' must be a number, got {value!r}", name)
+    return float(value)
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise BadRequest(400, "'stop' must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOPS:
+        raise BadRequest(400, f"'stop' holds at most {MAX_STOPS} strings", "stop")
+    return stops
+
+
+def _messages(body: dict) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(400, "'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):  # content parts: the text ones, in order
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise BadRequest(400, f"messages[{i}]: only text content parts are supported",
+                                 "messages")  # fmt: skip
+            content = "".join(str(p.get("text", "")) for p in content)
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("system", "developer", "user", "assistant") or not isinstance(content, str):
+            raise BadRequest(400, f"messages[{i}] needs a role (system, user or assistant) and "
+                             "text content", "messages")  # fmt: skip
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+class Server:
+    """The HTTP side: parses requests into jobs for the ``Decoder`` and relays its events."""
+
+    def __init__(self, decoder: Decoder, model_id: str, default_max_tokens: int = 256):
+        self.decoder, self.model_id, self.default_max_tokens = decoder, model_id, default_max_tokens
+        self.created = int(time.time())
+
+    def app(self):
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        return Starlette(routes=[
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+        ])  # fmt: skip
+
+    async def health(self, request):
+        from starlette.responses import JSONResponse
+
+        d, loaded = self.decoder, self.decoder.loaded
+        return JSONResponse({
+            "status": "ok", "model": self.model_id, "draft_kind": loaded.draft_kind,
+            "draft_model": str(loaded.drafter_dir) if loaded.drafter_dir else None,
+            "decoding": d.busy, "queued": d.jobs.qsize(), "served": d.served,
+            "cancelled": d.cancelled,
+            "concurrency": "one request decodes at a time; the others wait in a queue",
+        })  # fmt: skip
+
+    async def models(self, request):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mtp"}
+        ]})  # fmt: skip
+
+    async def chat(self, request):
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request):
+        return await self._complete(request, chat=False)
+
+    async def _body(self, request) -> dict:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise BadRequest(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(400, f"the request body is not valid JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise BadRequest(400, "the request body must be a JSON object")
+        return body
+
+    async def _job(self, request, chat: bool) -> tuple[Job, dict]:
+        from starlette.concurrency import run_in_threadpool
+
+        body = await self._body(request)
+        model = body.get("model")
+        if model != self.model_id:
+            raise BadRequest(404, f"the model {model!r} is not served here; GET /v1/models lists "
+                             f"{self.model_id!r}", "model", code="model_not_found")  # fmt: skip
+        if _int(body, "n", 1, 1, 1_000_000) != 1:
+            raise BadRequest(400, "'n' must be 1: one completion per request", "n")
+        limit = self.decoder.loaded.target.config.text.max_position_embeddings
+        max_tokens = _int(body, "max_completion_tokens", None, 1, limit)
+        max_tokens = max_tokens or _int(body, "max_tokens", self.default_max_tokens, 1, limit)
+        try:
+            sampling = SamplingParams(temp=_number(body, "temperature", 0.0),
+                                      top_p=_number(body, "top_p", 1.0))  # fmt: skip
+        except MtpError as e:
+            raise BadRequest(400, str(e), "temperature") from e
+        seed, stop = _int(body, "seed", None, 0, 2**63 - 1), _stops(body)
+        tokenizer = self.decoder.loaded.tokenizer
+        if chat:
+            messages = _messages(body)
+            encode = lambda: encode_messages(tokenizer, messages)  # noqa: E731
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str) or not prompt:
+                raise BadRequest(400, "'prompt' must be a non-empty string", "prompt")
+            encode = lambda: encode_prompt(tokenizer, prompt, ignore_template=True)  # noqa: E731
+        try:
+            ids = await run_in_threadpool(encode)
+            check_room(self.decoder.loaded.target, len(ids), max_tokens)
+        except ContextTooLongError as e:
+            message = str(e).replace("--max-tokens", "max_tokens")
+            raise BadRequest(400, message, "messages" if chat else "prompt",
+                             code="context_length_exceeded") from e  # fmt: skip
+        except MtpError as e:
+            raise BadRequest(400, str(e), "messages" if chat else "prompt") from e
+        if not ids:
+            raise BadRequest(400, "the prompt encodes to no tokens", "prompt")
+        job = Job(ids, max_tokens, sampling, seed, stop, asyncio.get_running_loop())
+        return job, body
+
+    async def _complete(self, request, chat: bool):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        try:
+            job, body = await self._job(request, chat)
+        except BadRequest as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        self.decoder.submit(job)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if body.get("stream"):
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(self._stream(job, rid, chat, usage),
+                                     media_type="text/event-stream")  # fmt: skip
+        text = []
+        while True:
+            kind, value = await job.events.get()
+            if kind == "text":
+                text.append(value)
+            elif kind == "error":
+                return JSONResponse(value.body(), status_code=value.status)
+            else:
+                break
+        result: GenerateResult = value
+        choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": result.text}
+        else:
+            choice["text"] = result.text
+        return JSONResponse(self._envelope(rid, chat, False) | {
+            "choices": [choice], "usage": _usage(job, result), "mtp": _mtp(result),
+        })  # fmt: skip
+
+    def _envelope(self, rid: str, chat: bool, chunk: bool) -> dict:
+        kind = "chat.completion" + (".chunk" if chunk else "") if chat else "text_completion"
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_id}
+
+    async def _stream(self, job: Job, rid: str, chat: bool, usage: bool) -> AsyncIterator[str]:
+        def chunk(text: str | None, finish: str | None = None, **extra) -> str:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish,
+                          "logprobs": None}  # fmt: skip
+            doc = self._envelope(rid, chat, True) | {"choices": [choice]} | extra
+            return f"data: {json.dumps(doc)}\n\n"
+
+        try:
+            if chat:
+                yield chunk(None).replace('"delta": {}', '"delta": {"role": "assistant"}', 1)
+            while True:
+                kind, value = await job.events.get()
+                if kind == "text":
+                    yield chunk(value)
+                elif kind == "error":
+                    yield f"data: {json.dumps(value.body())}\n\n"
+                    break
+                else:
+                    yield chunk(None, value.finish_reason, mtp=_mtp(value))
+                    if usage:
+                        doc = self._envelope(rid, chat, True) | {
+                            "choices": [],
+                            "usage": _usage(job, value),
+                        }
+                        yield f"data: {json.dumps(doc)}\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (or the stream ended): stop decoding for it
+            job.cancel.set()
+
+
+def _usage(job: Job, result: GenerateResult) -> dict:
+    n = len(result.tokens)
+    return {"prompt_tokens": len(job.ids), "completion_tokens": n,
+            "total_tokens": len(job.ids) + n}  # fmt: skip
+
+
+def _mtp(result: GenerateResult) -> dict:
+    """The MTP statistics of one response (the ``mtp`` field, beside OpenAI's own)."""
+    r = result.stats.mtp
+    return {
+        "engaged": result.mtp_engaged, "draft_kind": result.draft_kind,
+        "block_size": result.block_size, "gate_reason": result.gate_reason,
+        "acceptance_rate": r.acceptance_rate if r else None,
+        "tokens_per_verify": r.tokens_per_verify if r else None,
+        "rounds": r.rounds if r else 0,
+        "generation_tps": result.stats.generation_tps,
+    }  # fmt: skip
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a host and port this process cannot listen on, before anything is loaded."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ServeError(f"cannot resolve --host {host!r}: {e.strerror}") from e
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise ServeError(
+                f"cannot listen on {host}:{port}: {e.strerror}; choose another --port or stop "
+                "what holds it"
+            ) from e
+
+
+def check_serve_extra() -> None:
+    """Refuse to start without the ASGI stack, naming the extra that brings it."""
+    import importlib.util
+
+    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ServeError(
+            f"mtp serve needs {' and '.join(missing)}: pip install 'mtp[serve]' (or "
+            "pip install starlette uvicorn)"
+        )
+
+
+def serve(loaded: Loaded, model_id: str, *, host: str = "127.0.0.1", port: int = 8080,
+          block_size: int | None = None, force_mtp: bool = False, default_max_tokens: int = 256,
+          note: Callable[[str], None] = lambda msg: None) -> None:  # fmt: skip
+    """Serve ``loaded`` until Ctrl-C (returns then) or the HTTP server stops."""
+    check_serve_extra()
+    import uvicorn
+
+    check_port(host, port)
+    decoder = Decoder(loaded, block_size, force_mtp, note)
+    app = Server(decoder, model_id, default_max_tokens).app()
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           lifespan="off"))  # fmt: skip
+    http = threading.Thread(target=server.run, name="mtp-serve-http", daemon=True)
+    http.start()
+    while not server.started and http.is_alive():
+        time.sleep(0.02)
+    if not server.started:
+        raise ServeError(f"the HTTP server could not start on {host}:{port}")
+    note(f"serving {model_id} on http://{host}:{port}/v1 (OpenAI-compatible; GET /health)")
+    try:
+        decoder.run(keep_going=http.is_alive)
+    except KeyboardInterrupt:
+        note("stopping")
+    finally:
+        server.should_exit = True
+        http.join(timeout=5)

@@ -1,0 +1,256 @@
+"""``mtp serve``: the real server on a free port, spoken to by the ``openai`` client and httpx.
+
+The expected texts come from ``mtp generate --json`` on the same example (at temperature 0,
+MTP and classic give the same tokens), not from the server itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from mtpcli.cli import run
+from mtpcli.engine.run import StopText
+
+PROMPTS = ["def parse_args(argv):", "import os\n", "class Parser:", "for line in"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The built-in example served with MTP forced (so every request runs the MTP engine)."""
+    tmp = tmp_path_factory.mktemp("serve")
+    port = _free_port()
+    log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed below
+    env = dict(os.environ, MTP_CACHE_DIR=str(tmp / "cache"))
+    argv = [sys.executable, "-m", "mtpcli", "serve", "--draft-kind", "mtp", "--port", str(port)]
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        assert proc.poll() is None, (tmp / "serve.log").read_text()
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    else:
+        pytest.fail("the server did not come up: " + (tmp / "serve.log").read_text())
+    yield base
+    proc.terminate()
+    proc.wait(timeout=20)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """``mtp generate --json`` texts, by (prompt, chat template used, tokens)."""
+    import contextlib
+    import io
+
+    memo: dict = {}
+
+    def get(prompt: str, chat: bool, n: int) -> dict:
+        key = (prompt, chat, n)
+        if key not in memo:
+            argv = ["generate", "-p", prompt, "-n", str(n), "--json", "--draft-kind", "none"]
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+                assert run(argv + ([] if chat else ["--ignore-chat-template"])) == 0
+            memo[key] = json.loads(out.getvalue())
+        return memo[key]
+
+    return get
+
+
+def _client(base: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_chat_and_completions_equal_generate(server, reference):
+    client = _client(server)
+    chat = client.chat.completions.create(
+        model="example", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=24,
+        temperature=0,
+    )  # fmt: skip
+    ref = reference(PROMPTS[0], True, 24)
+    assert chat.choices[0].message.content == ref["text"]
+    assert chat.choices[0].finish_reason == ref["finish_reason"] == "length"
+    assert chat.usage.completion_tokens == len(ref["tokens"])
+    mtp = chat.model_extra["mtp"]
+    assert mtp["engaged"] and mtp["rounds"] > 0 and 0 <= mtp["acceptance_rate"] <= 1
+    assert 1 <= mtp["tokens_per_verify"] <= mtp["block_size"]
+
+    text = client.completions.create(model="example", prompt=PROMPTS[1], max_tokens=20)
+    assert text.choices[0].text == reference(PROMPTS[1], False, 20)["text"]
+    assert [m.id for m in client.models.list().data] == ["example"]
+
+
+def test_streaming_gives_the_same_text_in_pieces(server, reference):
+    client = _client(server)
+    stream = client.chat.completions.create(
+        model="example", messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=24,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert len([p for p in pieces if p]) > 1  # streamed, not sent at the end
+    assert "".join(pieces) == reference(PROMPTS[2], True, 24)["text"]
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == "length" and not any(finals[:-1])
+    assert chunks[-1].usage.completion_tokens == 24
+
+    done = list(client.completions.create(model="example", prompt=PROMPTS[3], max_tokens=16,
+                                          stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in done) == reference(PROMPTS[3], False, 16)["text"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_cut_the_text(server, reference, stream):
+    full = reference(PROMPTS[0], False, 32)["text"]
+    stop = full[10:13]  # a string the text is known to hold
+    expected = full[: full.find(stop)]
+    body = {"model": "example", "prompt": PROMPTS[0], "max_tokens": 32, "stop": [stop, "@@@@"],
+            "stream": stream}  # fmt: skip
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200
+    if stream:
+        docs = [json.loads(line[6:]) for line in r.text.splitlines()
+                if line.startswith("data: {")]  # fmt: skip
+        text = "".join(d["choices"][0]["text"] for d in docs)
+        finish = docs[-1]["choices"][0]["finish_reason"]
+        assert r.text.rstrip().endswith("data: [DONE]")
+    else:
+        text, finish = r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]
+    assert text == expected and finish == "stop"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+        ({"model": "example", "prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
+        ({"model": "example", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"model": "example", "prompt": "x " * 5000, "max_tokens": 8}, 400, "prompt"),
+        ({"model": "example", "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": "example", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"model": "example", "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": "example", "prompt": ""}, 400, "prompt"),
+        ({"model": "example", "messages": []}, 400, "messages"),
+        ({"model": "example", "messages": [{"role": "user"}]}, 400, "messages"),
+    ],
+)
+def test_bad_requests_get_a_json_error_and_disturb_nothing(server, reference, body, status,
+                                                           param):  # fmt: skip
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else (
+        "/v1/completions")  # fmt: skip
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{server}{path}", timeout=60, **kw)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert error["message"] and error["param"] == param
+    if "x " * 5000 == (body.get("prompt") if isinstance(body, dict) else None):
+        assert error["code"] == "context_length_exceeded"
+    ok = httpx.post(f"{server}/v1/completions", timeout=120,
+                    json={"model": "example", "prompt": PROMPTS[1], "max_tokens": 8})  # fmt: skip
+    assert ok.json()["choices"][0]["text"] == reference(PROMPTS[1], False, 8)["text"]
+
+
+def test_a_client_that_leaves_mid_stream_stops_its_decoding(server, reference):
+    before = httpx.get(f"{server}/health").json()["cancelled"]
+    body = {"model": "example", "prompt": PROMPTS[0], "max_tokens": 3000, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [line for line, _ in zip(lines, range(6), strict=False) if line]
+        assert got and got[0].startswith("data: {")
+    # the connection is closed with ~3000 tokens to go; the decoder notices and moves on
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        health = httpx.get(f"{server}/health").json()
+        if health["cancelled"] > before and not health["decoding"]:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the abandoned request kept decoding: {health}")
+    ok = httpx.post(f"{server}/v1/completions", timeout=120,
+                    json={"model": "example", "prompt": PROMPTS[3], "max_tokens": 12})  # fmt: skip
+    assert ok.json()["choices"][0]["text"] == reference(PROMPTS[3], False, 12)["text"]
+
+
+def test_twenty_concurrent_requests_are_all_answered_exactly(server, reference):
+    cases = [(PROMPTS[i % 4], i % 2 == 0, 10 + i % 3 * 4) for i in range(20)]
+
+    async def ask(client: httpx.AsyncClient, prompt: str, chat: bool, n: int) -> str:
+        if chat:
+            body = {"model": "example", "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": n}  # fmt: skip
+            r = await client.post("/v1/chat/completions", json=body)
+            return r.json()["choices"][0]["message"]["content"]
+        body = {"model": "example", "prompt": prompt, "max_tokens": n}
+        r = await client.post("/v1/completions", json=body)
+        return r.json()["choices"][0]["text"]
+
+    async def main() -> tuple[list[str], int]:
+        async with httpx.AsyncClient(base_url=server, timeout=300) as client:
+            tasks = [asyncio.create_task(ask(client, *c)) for c in cases]
+            await asyncio.sleep(0.3)
+            queued = (await client.get("/health")).json()["queued"]
+            return await asyncio.gather(*tasks), queued
+
+    served_before = httpx.get(f"{server}/health").json()["served"]
+    texts, queued = asyncio.run(main())
+    assert texts == [reference(*c)["text"] for c in cases]
+    assert queued > 0  # they waited their turn rather than decoding at once
+    assert httpx.get(f"{server}/health").json()["served"] == served_before + 20
+
+
+def test_stop_text_holds_back_what_could_begin_a_stop():
+    s = StopText(["END", "\n\n"])
+    shown = [s.feed(p) for p in ["ab", "cE", "N", "x", "y\n", "\n", "tail"]]
+    assert shown == ["ab", "c", "", "ENx", "y", "", ""]  # the first "\n\n" ends the text
+    assert s.hit and s.text == "abcENxy" and s.flush() == ""
+    t = StopText(["END"])
+    assert t.feed("xxE") == "xx" and not t.hit and t.flush() == "E"  # no stop: all of it
+
+
+def test_cancel_and_finish_reasons(load):
+    from mtpcli.engine.run import generate
+
+    pair = load()
+    asked = []
+
+    def cancelled() -> bool:
+        asked.append(1)
+        return len(asked) > 5
+
+    r = generate(pair, [1, 2, 3], max_tokens=40, force_mtp=True, cancelled=cancelled)
+    assert r.finish_reason == "cancelled" and len(r.tokens) == 5
+    full = generate(pair, [1, 2, 3], max_tokens=12, force_mtp=True)
+    assert full.finish_reason == "length" and len(full.tokens) == 12
+    assert r.tokens == generate(pair, [1, 2, 3], max_tokens=5).tokens
+
+
+def test_serve_refuses_a_port_in_use(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        code = run(["serve", "--port", str(s.getsockname()[1])])
+    assert code == 1
+    assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
