@@ -230,17 +230,26 @@ def compare(
     simulate: float | None = None,
     peers: bool = False,
     vlm: MlxVlmPeer | None = None,
+    quantized: dict[int, object] | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict:
-    """Run every arm ``repeats`` times over ``prompts``; one tok/s figure per repeat."""
+    """Run every arm ``repeats`` times over ``prompts``; one tok/s figure per repeat.
+    ``quantized`` maps bits to a quantized copy of ``drafter``: MTP arms with each, beside the
+    drafter's own."""
+    quantized = quantized or {}
     arms = {"classic": Arm("classic", None)}
     arms |= {f"mtp-{b}": Arm(f"mtp block {b}", b) for b in blocks}
+    arms |= {f"mtp-{b}-q{q}": Arm(f"mtp block {b}, {q}-bit drafter", b)
+             for q in quantized for b in blocks}  # fmt: skip
+    drafters = {f"mtp-{b}": drafter for b in blocks}
+    drafters |= {f"mtp-{b}-q{q}": d for q, d in quantized.items() for b in blocks}
     if peers:
         arms["mlx_lm"] = Arm("mlx-lm classic (peer)", None)
     if vlm is not None:
         arms |= {f"mlx_vlm-{b}": Arm(f"mlx-vlm mtp block {b} (peer)", None) for b in blocks}
     progress("warm-up: compiling kernels, greedy references")
-    references = _warm_up(target, drafter, prompts, blocks, max_tokens, vlm)
+    references = _warm_up(target, [drafter, *quantized.values()], prompts, blocks, max_tokens,
+                          vlm)  # fmt: skip
     for rep in range(repeats):
         for key, arm in arms.items():
             progress(f"repeat {rep + 1}/{repeats}: {arm.name}")
@@ -270,10 +279,10 @@ def compare(
                     )
                     run_arm(
                         per_prompt,
-                        lambda s, p=prompt, b=arm.block_size, pr=propose: list(
+                        lambda s, p=prompt, b=arm.block_size, pr=propose, d=drafters[key]: list(
                             generate_mtp(
                                 target,
-                                drafter,
+                                d,
                                 p,
                                 block_size=b,
                                 max_tokens=max_tokens,
@@ -291,14 +300,15 @@ def compare(
     return result
 
 
-def _warm_up(target, drafter, prompts, blocks, max_tokens: int, vlm) -> dict:
+def _warm_up(target, drafters: list, prompts, blocks, max_tokens: int, vlm) -> dict:
     """Run every prompt through each path once, untimed (kernel compilation, self-checks,
     traces of the compiled layer functions); returns each prompt's greedy classic tokens."""
     references = {}
     for prompt in prompts:
         references[tuple(prompt)] = list(generate_classic(target, prompt, max_tokens=max_tokens))
         for b in blocks:
-            list(generate_mtp(target, drafter, prompt, block_size=b, max_tokens=8))
+            for drafter in drafters:
+                list(generate_mtp(target, drafter, prompt, block_size=b, max_tokens=8))
             if vlm is not None:
                 vlm.greedy(prompt, 8, b, GenerationStats())
     return references
@@ -420,7 +430,7 @@ def to_json(
     result: dict, table: dict | None, info: dict, settings: dict, gate: dict | None = None
 ) -> dict:
     classic = result["classic"]["tps"]["median"]
-    mtp = {k.split("-")[1]: v for k, v in result.items() if k.startswith("mtp-")}
+    mtp = {k[4:]: v for k, v in result.items() if k.startswith("mtp-")}  # "3", "3-q4"
     return {
         "machine": info,
         "settings": settings,
@@ -561,20 +571,25 @@ def run(
     simulate: float | None = None,
     peers: bool = False,
     verify_table: bool = True,
+    draft_quantize: Sequence[int] = (),
     options: Options = Options(),
     command: str = "",
     progress: Callable[[str], None] = lambda msg: None,
 ) -> dict:
     """The whole ``mtp bench``: load (the built-in example without ``model``; random weights of
     a real shape with ``synthetic``), run the arms and peers, the verify-cost table and the
-    gate's check; returns the report's document (``markdown`` renders it)."""
+    gate's check; ``draft_quantize`` adds MTP arms with the drafter quantized to those bits.
+    Returns the report's document (``markdown`` renders it)."""
     from . import synthetic as S
     from .config import check_block_size
+    from .drafters.qwen3_5_mtp import DRAFT_BITS, quantized_copy
     from .example import ensure_example, example_prompts
     from .loading import load_pair
 
     for b in blocks:
         check_block_size(b, "--block-size")
+    if any(q not in DRAFT_BITS for q in draft_quantize):
+        raise UsageError(f"--draft-quantize must be 4 or 8, got {list(draft_quantize)}")
     if simulate is not None and not 0 <= simulate <= 1:
         raise UsageError(f"--simulate-acceptance must be in [0, 1], got {simulate}")
     texts = read_prompts(prompts_file) if prompts_file is not None else None
@@ -609,9 +624,10 @@ def run(
     if texts is None:
         texts = example_prompts()[:3] if on_example else DEFAULT_PROMPTS
     prompts = _prompt_ids(texts, tokenizer)
+    quantized = {q: quantized_copy(drafter, q, options) for q in dict.fromkeys(draft_quantize)}
     result = compare(target, drafter, prompts, blocks=list(blocks), max_tokens=max_tokens,
                      repeats=repeats, simulate=simulate, peers=peers, vlm=vlm,
-                     progress=progress)  # fmt: skip
+                     quantized=quantized, progress=progress)  # fmt: skip
     progress("verify-cost table")
     table = verify_cost_table(target, prompts[0], max(3, repeats)) if verify_table else None
     progress("gate calibration")
@@ -620,7 +636,7 @@ def run(
     settings = {
         "command": command, "model": label, "blocks": list(blocks), "repeats": repeats,
         "max_tokens": max_tokens, "prompts": len(prompts), "simulate_acceptance": simulate,
-        "peers": peers, "kernels": options.kernels,
+        "peers": peers, "kernels": options.kernels, "draft_quantize": sorted(quantized),
         "qmm": options.qmm_label,
         "submit_every": target.submit_every, "peer_notes": peer_notes,
     }  # fmt: skip

@@ -287,8 +287,12 @@ def extract_drafter_cmd(
     src: Path = typer.Argument(..., help="A raw Hugging Face checkpoint with mtp.* tensors."),
     out: Path = typer.Argument(..., help="Directory to write the standalone drafter to."),
     block_size: int | None = typer.Option(
-        None, "--block-size", help="Default block size to record."
+        None, "--block-size", help="Default block size to record (mtp layers + 2 if not given)."
     ),
+    quantize: int | None = typer.Option(
+        None, "--quantize", help="Write the drafter quantized to 4 or 8 bits (affine)."
+    ),
+    group_size: int = typer.Option(64, "--group-size", help="With --quantize: 32, 64 or 128."),
 ) -> None:
     """Split the MTP head of a raw checkpoint into a standalone qwen3_5_mtp drafter."""
     from .config import check_block_size
@@ -297,7 +301,8 @@ def extract_drafter_cmd(
 
     if block_size is not None:
         check_block_size(block_size, "--block-size")
-    written = extract_drafter(resolve_path(str(src), "checkpoint"), out, block_size)
+    written = extract_drafter(resolve_path(str(src), "checkpoint"), out, block_size, quantize,
+                              group_size)  # fmt: skip
     err.print(f"wrote drafter to {written}")
 
 
@@ -335,6 +340,12 @@ def bench(
     verify_table: bool = typer.Option(
         True, "--verify-table/--no-verify-table", help="Time T = 1..8 forwards."
     ),
+    draft_quantize: list[int] = typer.Option(
+        [],
+        "--draft-quantize",
+        help="Also run MTP arms with the drafter quantized to 4 or 8 "
+        "bits (repeatable), beside the drafter as loaded.",
+    ),  # fmt: skip
     out: Path | None = typer.Option(None, "--out", help="Write Markdown and JSON here."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     kernels: str = typer.Option(
@@ -367,6 +378,7 @@ def bench(
             model, draft_model, synthetic=synthetic, bits=bits, blocks=block_size,
             repeats=repeats, max_tokens=max_tokens, prompts_file=prompts_file,
             simulate=simulate_acceptance, peers=peers, verify_table=verify_table,
+            draft_quantize=draft_quantize,
             options=options, command="mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             progress=progress,
         )  # fmt: skip

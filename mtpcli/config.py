@@ -215,9 +215,33 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     block_size: int | None  # drafters only: the whole round, pending token included
     nested: bool  # text_config nested (VLM-style) or flat
+    # a raw block-FP8 checkpoint's scale block (rows, columns): F8_E4M3 weights, each with a
+    # ``weight_scale_inv`` per block; only ``extract-drafter`` reads these
+    fp8_block: tuple[int, int] | None = None
+
+
+def _fp8_block(d: dict) -> tuple[int, int] | None:
+    """The scale block of a Hugging Face block-FP8 config (``quant_method`` fp8, e4m3,
+    ``weight_block_size`` [rows, columns]); None for any other config."""
+    q = d.get("quantization_config")
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        return None
+    block = q.get("weight_block_size")
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= 4096
+                       for b in block)):  # fmt: skip
+        raise ConfigOutOfBoundsError(
+            f"an fp8 quantization_config needs weight_block_size [rows, columns] (1-4096), got "
+            f"{block!r}; per-tensor FP8 is not supported"
+        )
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ConfigOutOfBoundsError(f"fp8 format {q.get('fmt')!r} is not supported (e4m3 is)")
+    return block[0], block[1]
 
 
 def _quantization(d: dict) -> dict | None:
+    if _fp8_block(d):
+        return None
     q = d.get("quantization", d.get("quantization_config"))
     if q is None:
         return None
@@ -302,4 +326,5 @@ def load_config(model_dir: Path) -> ModelConfig:
         eos_token_ids=_eos(d, text_d if isinstance(text_d, dict) else {}),
         block_size=block_size,
         nested=nested,
+        fp8_block=_fp8_block(d),
     )

@@ -6,16 +6,46 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from .config import TARGET_TYPES, load_config, read_json_object
+from .drafters.qwen3_5_mtp import Qwen35MTP, quantize_drafter
 from .errors import BadCheckpointError, MtpError, OutputError, UsageError
 from .files import check_output_dir, written_dir
 from .loading import check_drafter
-from .weights import MTP_PREFIX, load_file, read_inventory, sanitize_drafter, weight_files
+from .weights import (
+    MTP_PREFIX,
+    dequantize_fp8_blocks,
+    load_file,
+    read_inventory,
+    sanitize_drafter,
+    weight_files,
+)
+
+SCALE_SUFFIX = "_scale_inv"
 
 
-def extract_drafter(src: Path, out: Path, block_size: int | None = None) -> Path:
-    """Write ``out`` as a qwen3_5_mtp drafter made from the raw ``src`` checkpoint's MTP head."""
+def _dequantized(tensors: dict[str, mx.array], block: tuple[int, int]) -> dict[str, mx.array]:
+    """A block-FP8 head's tensors in bfloat16: each ``X.weight`` with its
+    ``X.weight_scale_inv``; the tensors stored unquantized (norms) pass through."""
+    out = {k: v for k, v in tensors.items() if not k.endswith(SCALE_SUFFIX)}
+    for name in [k for k in tensors if k.endswith(SCALE_SUFFIX)]:
+        weight = name[: -len(SCALE_SUFFIX)]
+        if weight not in out:
+            raise BadCheckpointError(f"{name} scales a tensor {weight} the checkpoint lacks")
+        out[weight] = dequantize_fp8_blocks(out[weight], tensors[name], block, weight)
+    stray = sorted(k for k, v in out.items() if v.dtype == mx.uint8 and k + SCALE_SUFFIX
+                   not in tensors)  # fmt: skip
+    if stray:
+        raise BadCheckpointError(f"FP8 tensor {stray[0]} has no {stray[0]}{SCALE_SUFFIX}")
+    return out
+
+
+def extract_drafter(src: Path, out: Path, block_size: int | None = None,
+                    quantize: int | None = None, group_size: int = 64) -> Path:  # fmt: skip
+    """Write ``out`` as a qwen3_5_mtp drafter made from the raw ``src`` checkpoint's MTP head
+    (its files found through the shard index; block-FP8 weights dequantized with their
+    scales), in bf16, or quantized to ``quantize`` bits in the mlx-community layout."""
     config = load_config(src)
     if config.model_type not in TARGET_TYPES:
         raise UsageError(f"{src} is a {config.model_type} model; expected a raw qwen3_5 checkpoint")
@@ -23,22 +53,36 @@ def extract_drafter(src: Path, out: Path, block_size: int | None = None) -> Path
     wanted = {n for n in inv if n.startswith(MTP_PREFIX)}
     if not wanted:
         raise BadCheckpointError(f"{src} has no mtp.* tensors to extract")
+    if quantize is not None:
+        quantize_drafter(Qwen35MTP(config), quantize, group_size)  # the settings, before work
     check_output_dir(out)
     tensors: dict[str, mx.array] = {}
     for f in weight_files(src):
         if any(inv[n].file == f.name for n in wanted):
             tensors.update({k: v for k, v in load_file(f).items() if k in wanted})
+    if config.fp8_block:
+        tensors = _dequantized(tensors, config.fp8_block)
+    tensors = sanitize_drafter(tensors)
+    quantization = None
+    if quantize is not None:
+        module = Qwen35MTP(config)
+        try:
+            module.load_weights(list(tensors.items()))
+        except ValueError as e:  # names or shapes that are not a drafter head's
+            raise BadCheckpointError(f"the MTP head of {src} cannot be quantized: {e}") from e
+        quantization = quantize_drafter(module, quantize, group_size)
+        tensors = dict(tree_flatten(module.parameters()))
     raw = read_json_object(src / "config.json", "config.json")
     text = raw.get("text_config", {k: v for k, v in raw.items() if k != "model_type"})
     block = block_size or max(config.text.mtp_num_hidden_layers, 1) + 2
     drafter_config = {"model_type": "qwen3_5_mtp", "block_size": block, "text_config": text}
+    if quantization:
+        drafter_config["quantization"] = quantization
     # Written beside OUT and renamed into place only once it passes the drafter gate: a
     # failed check or a Ctrl-C leaves no half-written drafter behind.
     with written_dir(out) as tmp:
         try:
-            mx.save_safetensors(
-                str(tmp / "model.safetensors"), sanitize_drafter(tensors), {"format": "mlx"}
-            )
+            mx.save_safetensors(str(tmp / "model.safetensors"), tensors, {"format": "mlx"})
         except RuntimeError as e:  # MLX's write errors (a full disk) are RuntimeErrors
             raise OutputError(f"cannot write {out}: {e}") from e
         (tmp / "config.json").write_text(json.dumps(drafter_config, indent=1))

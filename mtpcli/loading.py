@@ -18,6 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .config import DRAFTER_TYPES, TARGET_TYPES, ModelConfig, load_config, read_json_object
 from .drafters import DRAFTER_KINDS, Drafter
 from .errors import (
+    BadConfigError,
     DrafterMismatchError,
     ModelNotFoundError,
     NotStandaloneDrafterError,
@@ -203,6 +204,11 @@ def load_pair(model: str, draft_model: str | None = None, draft_kind: str = "aut
     if target_type in DRAFTER_TYPES:
         raise UsageError(f"{target_dir} is a {target_type} drafter; pass it as --draft-model")
     tcfg = load_config(target_dir)
+    if tcfg.fp8_block:
+        raise BadConfigError(
+            f"{target_dir} is a block-FP8 checkpoint, which this tool does not run; use an MLX "
+            "conversion of it (mlx-community), or take its drafter with mtp extract-drafter"
+        )
     drafter_type = peek_model_type(drafter_dir) if drafter_dir else None
     if drafter_type in TARGET_TYPES:
         check_drafter(drafter_dir)  # refuses with what the directory is and how to get a drafter

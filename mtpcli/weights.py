@@ -137,6 +137,34 @@ def load_arrays(model_dir: Path) -> dict[str, mx.array]:
     return weights
 
 
+def e4m3_values() -> mx.array:
+    """The value of each FP8 E4M3 (``e4m3fn``) code, [256] float32: sign, 4 exponent bits
+    (bias 7; 0 is subnormal), 3 mantissa bits; S.1111.111 is NaN (the format has no inf)."""
+    code = mx.arange(256, dtype=mx.uint32)
+    sign = mx.where(code >= 128, -1.0, 1.0)
+    exp, man = (code >> 3) & 15, (code & 7).astype(mx.float32)
+    normal = mx.power(2.0, exp.astype(mx.float32) - 7) * (1 + man / 8)
+    value = sign * mx.where(exp == 0, man / 8 * 2.0**-6, normal)
+    return mx.where((code & 127) == 127, mx.nan, value)
+
+
+def dequantize_fp8_blocks(codes: mx.array, scale_inv: mx.array, block: tuple[int, int],
+                          name: str = "tensor") -> mx.array:  # fmt: skip
+    """Block-FP8 weights to bfloat16: ``codes`` [N, K] (E4M3 bytes, as MLX loads them: uint8)
+    times ``scale_inv`` [ceil(N / rows), ceil(K / columns)], one scale per block."""
+    bn, bk = block
+    n, k = codes.shape
+    want = (-(-n // bn), -(-k // bk))
+    if codes.dtype != mx.uint8 or tuple(scale_inv.shape) != want:
+        raise BadCheckpointError(
+            f"{name}: FP8 weight {codes.dtype} {tuple(codes.shape)} with scales "
+            f"{tuple(scale_inv.shape)}; expected uint8 codes and scales {want} for "
+            f"{bn}x{bk} blocks"
+        )
+    scales = mx.repeat(mx.repeat(scale_inv.astype(mx.float32), bn, axis=0), bk, axis=1)
+    return (e4m3_values()[codes] * scales[:n, :k]).astype(mx.bfloat16)  # [N, K]
+
+
 def is_raw_mtp_layout(names) -> bool:
     return any(n.startswith(MTP_PREFIX) for n in names)
 

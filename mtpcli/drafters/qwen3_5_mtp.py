@@ -109,6 +109,17 @@ def quantize_drafter(module: Qwen35MTP, bits: int, group_size: int = 64) -> dict
     return {"group_size": group_size, "bits": bits, "mode": "affine"}
 
 
+def quantized_copy(drafter: Qwen35MTPDrafter, bits: int, options: Options = Options()
+                   ) -> Qwen35MTPDrafter:  # fmt: skip
+    """A ``bits``-bit copy of a bf16 drafter (the original is left as it is)."""
+    if drafter.config.quantization:
+        raise UsageError("the drafter is already quantized; a quantized copy needs a bf16 one")
+    module = Qwen35MTP(drafter.config)
+    module.update(drafter.module.parameters())
+    config = replace(drafter.config, quantization=quantize_drafter(module, bits))
+    return Qwen35MTPDrafter(module, config, drafter.embed_tokens, options)
+
+
 def load_drafter(model_dir: Path, config: ModelConfig, embed_tokens: nn.Module,
                  options: Options = Options(), quantize: int | None = None,
                  ) -> Qwen35MTPDrafter:  # fmt: skip
