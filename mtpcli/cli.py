@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -80,8 +81,9 @@ def _print_stats(stats, draft_kind: str) -> None:
     if r is not None:
         per = " ".join(f"{a:.2f}" for a in r.acceptance_by_position)
         ms = 1000 / max(r.rounds, 1)
+        blocks = ", ".join(f"{n} of block {b}" for b, n in sorted(r.rounds_by_block.items()))
         err.print(
-            f"MTP: block {r.block_size}, {r.rounds} rounds, {r.drafted} drafted, {r.accepted} "
+            f"MTP: {r.rounds} rounds ({blocks or 'none'}), {r.drafted} drafted, {r.accepted} "
             f"accepted, acceptance {r.acceptance_rate:.3f} (by position: {per}), "
             f"{r.tokens_per_verify:.2f} tokens/verify"
         )
@@ -94,6 +96,41 @@ def _print_stats(stats, draft_kind: str) -> None:
 DRAFT_QUANTIZE = typer.Option(
     None, "--draft-quantize", help="Quantize a bf16 drafter at load: 4 or 8 bits (group 64)."
 )
+
+
+@contextlib.contextmanager
+def _status(console: Console | None = None) -> Iterator[Callable[[str], None]]:
+    """A spinner line on stderr that the block updates with what it is doing; nothing where
+    stderr is not a terminal (logs and pipes get no control sequences)."""
+    console = console or err
+    if not console.is_terminal:
+        yield lambda msg: None
+        return
+    with console.status("") as status:
+        yield lambda msg: status.update(f"[dim]{msg}[/dim]")
+
+
+class PrefillBar:
+    """A progress bar on stderr for a prompt long enough to take a while (more than one
+    prefill chunk), gone once the prompt is in; nothing where stderr is not a terminal."""
+
+    def __init__(self, console: Console | None = None):
+        self.console, self.bar, self.task = console or err, None, None
+
+    def __call__(self, done: int, total: int) -> None:
+        from rich.progress import Progress
+
+        from .models.qwen3_5 import PREFILL_CHUNK
+
+        if self.bar is None:
+            if total <= PREFILL_CHUNK or not self.console.is_terminal:
+                return
+            self.bar = Progress(console=self.console, transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("prompt", total=total)
+        self.bar.update(self.task, completed=done)
+        if done >= total:
+            self.bar.stop()
 
 
 def _load(model, draft_model, draft_kind, draft_block_size, draft_quantize, options):
@@ -114,7 +151,8 @@ def _load(model, draft_model, draft_kind, draft_block_size, draft_quantize, opti
         raise UsageError("--draft-block-size needs --draft-model (a qwen3_5_mtp drafter)")
     if draft_quantize is not None and draft_model is None:
         raise UsageError("--draft-quantize needs --draft-model (a qwen3_5_mtp drafter)")
-    return load_pair(model, draft_model, draft_kind, options, draft_quantize)
+    with _status() as progress:
+        return load_pair(model, draft_model, draft_kind, options, draft_quantize, progress)
 
 
 @app.command()
@@ -196,7 +234,7 @@ def generate(
         loaded, text, max_tokens=max_tokens, sampling=sampling, block_size=draft_block_size,
         force_mtp=draft_kind == "mtp", system_prompt=system_prompt,
         chat_template=not ignore_chat_template, seed=seed, on_text=stream, note=_note,
-        on_decision=decided,
+        on_decision=decided, on_prefill=PrefillBar(),
     )  # fmt: skip
     if as_json:
         sys.stdout.write(json.dumps(result.as_dict()) + "\n")

@@ -24,7 +24,7 @@ import os
 import platform
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -59,6 +59,8 @@ class GateDecision:
     block: int  # the block size to run (chosen among the candidates when adapting)
     reason: str  # names the acceptance used and where it came from
     expected_speedup: float | None  # None when forced
+    # where the gate chose the block: it may change it round by round as acceptance is seen
+    chooser: BlockChooser | None = None
 
 
 def tokens_per_round(acceptance: float, drafts: int) -> float:
@@ -88,16 +90,26 @@ def decide(cal: Calibration, blocks: list[int], acceptance: float, source: str) 
     return GateDecision(engaged, block, reason, speedup)
 
 
-def examined(stats: MTPStats) -> int:
-    """Drafts the verify looked at: every accepted one, plus the first rejected of a round."""
-    k = stats.block_size - 1
-    return stats.accepted + (stats.rounds - stats.accept_histogram[k])
-
-
 def acceptance_estimate(stats: MTPStats) -> float | None:
     """The per-draft acceptance a of a run (maximum likelihood for the truncated chain)."""
-    n = examined(stats)
-    return stats.accepted / n if n else None
+    return stats.accepted / stats.examined if stats.examined else None
+
+
+@dataclass(frozen=True)
+class BlockChooser:
+    """Each round's block size, from the acceptance seen so far in the generation: the
+    acceptance the gate decided with counts as ``weight`` examined drafts, the run's own
+    drafts as themselves; the block with the best expected speedup under ``cal`` wins."""
+
+    cal: Calibration
+    blocks: tuple[int, ...]
+    prior: float
+    weight: float = 8.0
+
+    def __call__(self, stats: MTPStats) -> int:
+        a = (self.prior * self.weight + stats.accepted) / (self.weight + stats.examined)
+        speedups = {b: expected_speedup(self.cal, b, a) for b in self.blocks}
+        return max(self.blocks, key=lambda b: (speedups[b], -b))
 
 
 def machine_key(options: Options) -> str:
@@ -162,7 +174,7 @@ def calibrate(
         units = stats.mtp.rounds if stats.mtp else stats.generation_tokens
         if stats.mtp:
             seen[0] += stats.mtp.accepted
-            seen[1] += examined(stats.mtp)
+            seen[1] += stats.mtp.examined
         return stats.generation_s * 1000 / max(units, 1)
 
     arms = {0: classic} | {b: mtp(b) for b in blocks}  # 0: the classic step
@@ -340,7 +352,11 @@ def gate(
         st.put_acceptance(pair, *known)
     for msg in dict.fromkeys(st.notes):
         note(msg)
-    return decide(cal, blocks, *(known or (PRIOR_ACCEPTANCE, "prior")))
+    acceptance, source = known or (PRIOR_ACCEPTANCE, "prior")
+    decision = decide(cal, blocks, acceptance, source)
+    if adapt and len(blocks) > 1:
+        decision = replace(decision, chooser=BlockChooser(cal, tuple(blocks), acceptance))
+    return decision
 
 
 def remember(

@@ -8,6 +8,7 @@ fit the target. ``mtp_num_hidden_layers`` in a config is never taken as a sign o
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,11 +185,12 @@ class Loaded:
 
 
 def load_pair(model: str, draft_model: str | None = None, draft_kind: str = "auto",
-              options: Options = Options(),
-              draft_quantize: int | None = None) -> Loaded:  # fmt: skip
+              options: Options = Options(), draft_quantize: int | None = None,
+              progress: Callable[[str], None] = lambda msg: None) -> Loaded:  # fmt: skip
     """Resolve, gate and load a target (+ drafter): local directories or Hugging Face repo ids;
     ``draft_kind`` auto, mtp or none; ``draft_quantize`` (4 or 8) quantizes a bf16 drafter at
-    load. Nothing is allocated before the checks pass."""
+    load; ``progress`` is told what is being loaded. Nothing is allocated before the checks
+    pass."""
     from .drafters.qwen3_5_mtp import load_drafter
     from .models.qwen3_5 import load_target
 
@@ -214,8 +216,14 @@ def load_pair(model: str, draft_model: str | None = None, draft_kind: str = "aut
         check_drafter(drafter_dir)  # refuses with what the directory is and how to get a drafter
     kind = resolve_draft_kind(draft_kind, drafter_type, tcfg.model_type)
     dcfg = check_drafter(drafter_dir, tcfg) if kind == "mtp" else None
+    progress("loading the tokenizer")
     tokenizer = load_tokenizer(target_dir, tcfg.eos_token_ids, tcfg.text.vocab_size)
+    size = sum(t.nbytes for t in read_inventory(target_dir).values()) / 1e9
+    progress(f"loading the target ({size:.1f} GB)")
     target = load_target(target_dir, tcfg, options)
+    if dcfg:
+        progress("loading the drafter" + (f", quantizing it to {draft_quantize} bits"
+                                          if draft_quantize else ""))  # fmt: skip
     drafter = (load_drafter(drafter_dir, dcfg, target.embed_tokens, options, draft_quantize)
                if dcfg else None)  # fmt: skip
     return Loaded(target, drafter, tokenizer, kind, target_dir, drafter_dir, options,

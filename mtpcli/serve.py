@@ -350,6 +350,7 @@ def _mtp(result: GenerateResult) -> dict:
         "acceptance_rate": r.acceptance_rate if r else None,
         "tokens_per_verify": r.tokens_per_verify if r else None,
         "rounds": r.rounds if r else 0,
+        "rounds_by_block": {str(b): n for b, n in sorted(r.rounds_by_block.items())} if r else {},
         "generation_tps": result.stats.generation_tps,
     }  # fmt: skip
 

@@ -38,7 +38,7 @@ def test_streams_text_and_puts_stats_on_stderr(capsys):
     argv = ["generate", "-p", "hello", "-n", "16", "--draft-block-size", "4", "--draft-kind", "mtp"]
     assert run(argv) == 0
     captured = capsys.readouterr()
-    assert "Generation: 16 tokens" in captured.err and "MTP: block 4" in captured.err
+    assert "Generation: 16 tokens" in captured.err and "of block 4)" in captured.err
     assert "tokens-per-sec" not in captured.out and captured.out.strip()
 
 
@@ -109,3 +109,44 @@ def test_the_python_api_gives_what_the_cli_gives(capsys):
     assert classic.tokens == result.tokens  # temperature 0: the same tokens either way
     with pytest.raises(mtpcli.MtpError, match="draft-block-size must be in"):
         generate(pair, "x", block_size=17)
+
+
+def test_prefill_reports_its_progress_chunk_by_chunk(load, monkeypatch):
+    from mtpcli.engine.classic import generate_classic
+    from mtpcli.models import qwen3_5
+
+    monkeypatch.setattr(qwen3_5, "PREFILL_CHUNK", 4)
+    seen = []
+    loaded = load()
+    prompt = list(range(10, 20))
+    tokens = list(generate_classic(loaded.target, prompt, max_tokens=4,
+                                   on_prefill=lambda *step: seen.append(step)))  # fmt: skip
+    assert seen == [(4, 10), (8, 10), (10, 10)]
+    monkeypatch.setattr(qwen3_5, "PREFILL_CHUNK", 2048)
+    assert tokens == list(generate_classic(loaded.target, prompt, max_tokens=4))
+
+
+def test_progress_shows_on_a_terminal_only(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from mtpcli.cli import PrefillBar, _status
+    from mtpcli.models import qwen3_5
+
+    monkeypatch.setattr(qwen3_5, "PREFILL_CHUNK", 4)
+    for terminal in (True, False):
+        out = io.StringIO()
+        console = Console(file=out, force_terminal=terminal, width=80)
+        bar = PrefillBar(console)
+        for done in (4, 8, 10):
+            bar(done, 10)
+        with _status(console) as progress:
+            progress("loading the target")
+        assert bool(out.getvalue()) is terminal
+        if terminal:
+            assert "prompt" in out.getvalue() and not bar.bar.live.is_started
+    quiet = io.StringIO()
+    short = PrefillBar(Console(file=quiet, force_terminal=True))
+    short(3, 3)  # a prompt of one chunk: no bar
+    assert quiet.getvalue() == "" and short.bar is None

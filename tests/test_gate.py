@@ -8,7 +8,7 @@ import pytest
 
 from mtpcli import gate
 from mtpcli.cli import run
-from mtpcli.engine import MTPStats
+from mtpcli.engine import GenerationStats, MTPStats
 from mtpcli.gate import Calibration, GateStore
 
 
@@ -180,3 +180,55 @@ def test_acceptance_seen_while_calibrating_beats_the_prior_and_is_kept(fake_mach
     assert "acceptance 0.90 (measured while calibrating)" in doc["gate_reason"]
     doc = _generate(capsys)  # the first run's own acceptance has replaced it
     assert "(last run)" in doc["gate_reason"]
+
+
+def test_block_chooser_follows_the_acceptance_seen_so_far():
+    # a = 0.9: E = 1.9 / 2.71 / 3.44 tokens -> 1.58x / 1.94x / 2.05x: block 4
+    # a = 0.1: E = 1.1 / 1.11 / 1.111 -> 0.92x / 0.79x / 0.66x: block 2
+    cal = Calibration(step_ms=10.0, round_ms={2: 12.0, 3: 14.0, 4: 16.8})
+    choose = gate.BlockChooser(cal, (2, 3, 4), prior=0.9)
+    stats = MTPStats(4)
+    assert choose(stats) == 4  # nothing seen yet: the prior
+    for _ in range(30):
+        stats.record(3, 0)  # every first draft rejected: 30 examined, none accepted
+    assert choose(stats) == 2  # (0.9 * 8) / (8 + 30) = 0.19
+    for _ in range(60):
+        stats.record(1, 1)  # then every draft accepted
+    assert choose(stats) == 3  # (7.2 + 60) / (8 + 90) = 0.686 -> 1.40 / 1.54 / 1.48x
+
+
+def test_stats_of_rounds_of_several_sizes():
+    stats = MTPStats(4)
+    stats.record(3, 3)
+    stats.record(1, 0)
+    stats.record(2, 1)
+    assert stats.rounds_by_block == {4: 1, 2: 1, 3: 1}
+    assert stats.acceptance_by_position == [2 / 3, 1 / 2, 1.0]
+    assert stats.examined == 3 + 1 + 2 and gate.acceptance_estimate(stats) == pytest.approx(4 / 6)
+
+
+def test_an_adapting_block_keeps_mtp_exact(load):
+    from mtpcli.engine.classic import generate_classic
+    from mtpcli.engine.mtp import generate_mtp
+
+    loaded = load(bits=4)
+    sizes = [4, 2, 3, 2, 4, 4, 3]
+
+    def cycle(stats: MTPStats) -> int:
+        return sizes[stats.rounds % len(sizes)]
+
+    for prompt in ([72, 101, 108], [(i * 37) % 250 for i in range(40)]):
+        stats = GenerationStats()
+        mtp = list(generate_mtp(loaded.target, loaded.drafter, prompt, block_size=4,
+                                max_tokens=40, stats=stats, choose_block=cycle))  # fmt: skip
+        assert mtp == list(generate_classic(loaded.target, prompt, max_tokens=40))
+        assert set(stats.mtp.rounds_by_block) == {2, 3, 4}
+
+
+def test_cli_reports_the_blocks_the_run_chose(fake_machine, capsys):
+    doc = _generate(capsys)
+    assert doc["mtp_engaged"] is True
+    chosen = doc["stats"]["rounds_by_block"]
+    assert sum(chosen.values()) == doc["stats"]["rounds"] and set(chosen) <= {"2", "3", "4"}
+    fixed = _generate(capsys, "--draft-block-size", "2")
+    assert fixed["stats"]["rounds_by_block"] == {"2": fixed["stats"]["rounds"]}

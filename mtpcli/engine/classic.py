@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import mlx.core as mx
 
@@ -20,15 +20,17 @@ def generate_classic(
     sampling: SamplingParams = SamplingParams(),
     eos_ids: Iterable[int] = (),
     stats: GenerationStats | None = None,
+    on_prefill: Callable[[int, int], None] | None = None,
 ) -> Iterator[int]:
-    """Yield generated token ids (EOS excluded) until EOS or ``max_tokens``."""
+    """Yield generated token ids (EOS excluded) until EOS or ``max_tokens``; ``on_prefill``
+    follows the prompt's processing (tokens done, total)."""
     stats = stats if stats is not None else GenerationStats()
     eos = set(eos_ids)
     tokens = prompt_array(prompt)
     check_room(target, tokens.shape[1], max_tokens)
     cache = target.make_cache()
     start = time.perf_counter()
-    hidden = target.prefill(tokens, cache)
+    hidden = target.prefill(tokens, cache, on_prefill)
     y = pick(first_logits(target, hidden), sampling)
     mx.eval(y)
     stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start

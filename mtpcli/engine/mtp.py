@@ -9,7 +9,7 @@ is identical to classic decoding.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import mlx.core as mx
 
@@ -64,20 +64,25 @@ def generate_mtp(
     eos_ids: Iterable[int] = (),
     stats: GenerationStats | None = None,
     propose=draft,
+    choose_block: Callable[[MTPStats], int] | None = None,
+    on_prefill: Callable[[int, int], None] | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids (EOS excluded) until EOS or ``max_tokens``.
 
     ``propose`` makes the drafts (``draft``'s signature); benchmarks swap in a wrapper.
+    ``choose_block`` picks each round's block size (at most ``block_size``) from the
+    statistics so far; without it every round has ``block_size``. ``on_prefill`` follows the
+    prompt's processing (tokens done, total).
     """
     check_block_size(block_size)
     stats = stats if stats is not None else GenerationStats()
     stats.mtp = rs = MTPStats(block_size)
-    eos, k = set(eos_ids), block_size - 1
+    eos = set(eos_ids)
     tokens = prompt_array(prompt)
     check_room(target, tokens.shape[1], max_tokens)
     tcache, dcache = target.make_cache(), drafter.make_cache()
     start = time.perf_counter()
-    hidden = target.prefill(tokens, tcache)  # [1, L, H]
+    hidden = target.prefill(tokens, tcache, on_prefill)  # [1, L, H]
     pending = int(pick(first_logits(target, hidden), sampling).item())
     stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
     start = time.perf_counter()
@@ -95,6 +100,7 @@ def generate_mtp(
                 stats.generation_tokens, stats.generation_s = n, time.perf_counter() - start
             if n >= max_tokens:
                 return
+            k = min(choose_block(rs), block_size) - 1 if choose_block else block_size - 1
             t0 = time.perf_counter()
             drafts, q = propose(drafter, target, ctx_tokens, ctx_hidden, dcache, k, sampling)
             t1 = time.perf_counter()

@@ -53,6 +53,7 @@ class GenerateResult:
                 "accepted": r.accepted,
                 "acceptance_by_position": r.acceptance_by_position,
                 "accept_histogram": r.accept_histogram,
+                "rounds_by_block": {str(b): n for b, n in sorted(r.rounds_by_block.items())},
                 "tokens_per_verify": r.tokens_per_verify,
                 "draft_ms": r.draft_s * 1000,
                 "verify_ms": r.verify_s * 1000,
@@ -124,6 +125,7 @@ def generate(
     on_text: Callable[[str], None] = _silent,
     note: Callable[[str], None] = _silent,
     on_decision: Callable[[gate.GateDecision], None] = lambda decision: None,
+    on_prefill: Callable[[int, int], None] | None = None,
 ) -> GenerateResult:
     """Generate from ``prompt`` (text, through the chat template where the tokenizer has one
     and ``chat_template``; or token ids as they are) with the pair ``load_pair`` gave.
@@ -132,7 +134,8 @@ def generate(
     ``block_size``, at which block size; ``force_mtp`` runs MTP regardless (at ``block_size``
     or the drafter's). ``on_text`` receives the text as it is decoded, ``note`` the gate's
     messages (calibration, a cache entry measured again), ``on_decision`` the gate's decision
-    before decoding starts. Decoding ends at EOS, after ``max_tokens``, where the text first
+    before decoding starts, ``on_prefill`` the prompt's progress (tokens done, total). Decoding
+    ends at EOS, after ``max_tokens``, where the text first
     holds one of the ``stop`` strings (the text is cut before it, and no part of it is streamed),
     or once ``cancelled()`` says so (asked before each token). At temperature 0 the tokens are
     those of classic decoding whatever the gate decides.
@@ -163,12 +166,15 @@ def generate(
         on_decision(decision)
     engaged = decision is not None and decision.engaged
     if engaged:
-        tokens = generate_mtp(target, pair.drafter, ids, block_size=decision.block,
+        chooser = decision.chooser
+        tokens = generate_mtp(target, pair.drafter, ids,
+                              block_size=max(chooser.blocks) if chooser else decision.block,
                               max_tokens=max_tokens, sampling=sampling, eos_ids=eos,
-                              stats=stats)  # fmt: skip
+                              stats=stats, choose_block=chooser,
+                              on_prefill=on_prefill)  # fmt: skip
     else:
         tokens = generate_classic(target, ids, max_tokens=max_tokens, sampling=sampling,
-                                  eos_ids=eos, stats=stats)  # fmt: skip
+                                  eos_ids=eos, stats=stats, on_prefill=on_prefill)  # fmt: skip
     detok = tokenizer.detokenizer
     detok.reset()
     out_ids: list[int] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -43,8 +44,10 @@ class Target(Protocol):
         position exactly as a decode step and keeps what ``rollback`` needs."""
         ...
 
-    def prefill(self, tokens: mx.array, cache: list) -> mx.array:
-        """A prompt [B, L] into ``cache``; its final-normed hidden states [B, L, H]."""
+    def prefill(self, tokens: mx.array, cache: list,
+                progress: Callable[[int, int], None] | None = None) -> mx.array:  # fmt: skip
+        """A prompt [B, L] into ``cache``; its final-normed hidden states [B, L, H];
+        ``progress(done, total)`` after each part of it."""
         ...
 
     def lm_head(self, hidden: mx.array, exact: bool = False) -> mx.array:

@@ -440,13 +440,17 @@ class Qwen35Target:
     def cache_arrays(self, cache: list) -> list[mx.array]:
         return cache_arrays(cache)
 
-    def prefill(self, tokens: mx.array, cache: list) -> mx.array:
-        """Process a prompt [B, L] in chunks; returns the final-normed hidden states [B, L, H]."""
+    def prefill(self, tokens: mx.array, cache: list,
+                progress: Callable[[int, int], None] | None = None) -> mx.array:  # fmt: skip
+        """Process a prompt [B, L] in chunks; returns the final-normed hidden states [B, L, H].
+        ``progress(done, total)`` is told of each chunk."""
         hidden = []
         for start in range(0, tokens.shape[1], PREFILL_CHUNK):
             out = self.forward(tokens[:, start : start + PREFILL_CHUNK], cache)
             mx.eval(out.hidden)
             hidden.append(out.hidden)
+            if progress is not None:
+                progress(min(start + PREFILL_CHUNK, tokens.shape[1]), tokens.shape[1])
         return mx.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
 
 
