@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import signal
 import socket
 import threading
 import time
@@ -404,6 +405,8 @@ def serve(loaded: Loaded, model_id: str, *, host: str = "127.0.0.1", port: int =
     if not server.started:
         raise ServeError(f"the HTTP server could not start on {host}:{port}")
     note(f"serving {model_id} on http://{host}:{port}/v1 (OpenAI-compatible; GET /health)")
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
     try:
         decoder.run(keep_going=http.is_alive)
     except KeyboardInterrupt:
@@ -411,3 +414,10 @@ def serve(loaded: Loaded, model_id: str, *, host: str = "127.0.0.1", port: int =
     finally:
         server.should_exit = True
         http.join(timeout=5)
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM (a service manager's stop) ends the server as Ctrl-C does."""
+    raise KeyboardInterrupt

@@ -128,12 +128,15 @@ def build(name: str, bits: int | None = 4, group_size: int = 64, seed: int = 0,
     return target, Qwen35MTPDrafter(module, dcfg, target.embed_tokens, options)
 
 
-def write(name: str, root: Path, bits: int | None = 4, group_size: int = 64, seed: int = 0):
+def write(name: str, root: Path, bits: int | None = 4, group_size: int = 64, seed: int = 0,
+          raw: bool = False):  # fmt: skip
     """Write ``build(name, ...)`` to disk in the layouts users download: an mlx-community
     VLM-style target (quantized unless ``bits`` is None, with a byte tokenizer that decodes
     every id) under ``root/target`` and a standalone bf16 ``qwen3_5_mtp`` drafter under
     ``root/drafter``, so that peers which load checkpoints from disk (mlx-vlm) run the very
-    same weights. Returns both paths."""
+    same weights. ``raw`` (bf16 only) writes instead one raw Hugging Face checkpoint under
+    ``root/raw``, in shards, the drafter as its ``mtp.*`` tensors (for ``extract-drafter``).
+    Returns the paths written."""
     from .fixtures import byte_tokenizer, write_drafter, write_target
 
     target, drafter = build(name, bits, group_size, seed)
@@ -141,6 +144,12 @@ def write(name: str, root: Path, bits: int | None = 4, group_size: int = 64, see
     text["eos_token_id"] = text["vocab_size"] - 1  # <|im_end|>, the byte tokenizer's last id
     quant = {"group_size": group_size, "bits": bits, "mode": "affine"} if bits else None
     root = Path(root)
+    if raw:
+        if bits:
+            raise ValueError("raw Hugging Face checkpoints are bf16: pass bits=None")
+        return (write_target(root / "raw", text, layout="raw", model=target.model,
+                             drafter=drafter.module, tokenizer=byte_tokenizer(text["vocab_size"]),
+                             shards=4),)  # fmt: skip
     t = write_target(root / "target", text, model=target.model, quantization=quant,
                      tokenizer=byte_tokenizer(text["vocab_size"]), shards=4)  # fmt: skip
     d = write_drafter(root / "drafter", text, module=drafter.module, block_size=3)

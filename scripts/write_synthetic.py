@@ -6,6 +6,7 @@ disk (mlx-vlm's MTP decoding) need it written out. The files hold exactly the we
 
     python scripts/write_synthetic.py qwen3.8-27b /tmp/q27 --bits 4
     mtp bench -m /tmp/q27/target --draft-model /tmp/q27/drafter --peers
+    python scripts/write_synthetic.py tiny /tmp/raw --bits 16 --raw   # a raw HF checkpoint
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ def main() -> None:
     ap.add_argument("shape", choices=sorted(synthetic.SHAPES))
     ap.add_argument("out", type=Path)
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8, 16))
+    ap.add_argument("--raw", action="store_true", help="one raw HF checkpoint with mtp.* (bf16)")
     args = ap.parse_args()
+    if args.raw and args.bits != 16:
+        ap.error("--raw writes a bf16 checkpoint: pass --bits 16")
     start = time.perf_counter()
-    target, drafter = synthetic.write(args.shape, args.out, None if args.bits == 16 else args.bits)
-    print(f"wrote {target} and {drafter} in {time.perf_counter() - start:.1f} s")
+    paths = synthetic.write(args.shape, args.out, None if args.bits == 16 else args.bits,
+                            raw=args.raw)  # fmt: skip
+    print(f"wrote {' and '.join(map(str, paths))} in {time.perf_counter() - start:.1f} s")
 
 
 if __name__ == "__main__":

@@ -50,9 +50,10 @@ def server(tmp_path_factory):
     else:
         pytest.fail("the server did not come up: " + (tmp / "serve.log").read_text())
     yield base
-    proc.terminate()
-    proc.wait(timeout=20)
+    proc.terminate()  # SIGTERM stops it as Ctrl-C does: cleanly, exit 0
+    code = proc.wait(timeout=20)
     log.close()
+    assert code == 0 and "stopping" in (tmp / "serve.log").read_text()
 
 
 @pytest.fixture(scope="module")
