@@ -258,7 +258,7 @@ def serve(
     ),
     draft_quantize: int | None = DRAFT_QUANTIZE,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
-    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on."),
+    port: int = typer.Option(8080, "--port", min=1, max=65535, help="Port to listen on."),
     model_name: str | None = typer.Option(
         None, "--model-name", help="The id clients ask for (default: -m as given, or 'example')."
     ),
