@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,13 +186,25 @@ def norm_shift_names(names) -> list[str]:
 def sanitize_drafter(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """Raw ``mtp.*`` tensors -> standalone drafter layout. Idempotent: a second pass is a no-op.
 
-    Non-``mtp.`` keys are taken as already standalone and are never shifted. Fused MoE expert
-    tensors are split into mlx-lm's ``switch_mlp`` layout.
+    Non-``mtp.`` keys are taken as already standalone and are never shifted. MoE experts,
+    fused (``experts.gate_up_proj``) or one tensor per expert (``experts.{i}.gate_proj.weight``),
+    become mlx-lm's ``switch_mlp`` layout.
     """
     out: dict[str, mx.array] = {}
     for name, value in weights.items():
         key, shift = drafter_key(name)
         out[key] = value + 1.0 if shift else value
+    per_expert = re.compile(r"(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+    stacks: dict[tuple[str, str], dict[int, mx.array]] = {}
+    for key in [k for k in out if per_expert.fullmatch(k)]:
+        prefix, i, proj = per_expert.fullmatch(key).groups()
+        stacks.setdefault((prefix, proj), {})[int(i)] = out.pop(key)
+    for (prefix, proj), experts in sorted(stacks.items()):
+        if sorted(experts) != list(range(len(experts))):
+            raise BadCheckpointError(f"{prefix}.experts: {proj} of experts {sorted(experts)}; "
+                                     "expected 0 to n-1 without gaps")  # fmt: skip
+        stacked = mx.stack([experts[i] for i in range(len(experts))])  # [E, N, K]
+        out[f"{prefix}.switch_mlp.{proj}.weight"] = stacked
     for prefix in sorted(
         {k.rsplit(".experts.", 1)[0] for k in out if ".experts.gate_up_proj" in k}
     ):

@@ -107,6 +107,31 @@ def test_extract_a_moe_head_equals_the_standalone_moe_drafter(ckpts, tmp_path):
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
 
 
+def test_a_moe_head_stored_one_tensor_per_expert(ckpts, tmp_path):
+    """Some releases store each expert apart (``experts.{i}.gate_proj.weight``): the same head."""
+    raw = ckpts.target(moe=True, layout="raw")
+    src = tmp_path / "per-expert"
+    shutil.copytree(raw, src)
+    tensors = dict(mx.load(str(src / "model.safetensors")))
+    fused = [k for k in tensors if k.startswith("mtp.") and k.endswith("experts.gate_up_proj")]
+    assert fused
+    for key in fused:
+        prefix = key[: -len(".gate_up_proj")]
+        gate_up, down = tensors.pop(key), tensors.pop(f"{prefix}.down_proj")
+        mid = gate_up.shape[-2] // 2
+        for i in range(gate_up.shape[0]):
+            tensors[f"{prefix}.{i}.gate_proj.weight"] = gate_up[i, :mid]
+            tensors[f"{prefix}.{i}.up_proj.weight"] = gate_up[i, mid:]
+            tensors[f"{prefix}.{i}.down_proj.weight"] = down[i]
+    mx.save_safetensors(str(src / "model.safetensors"), tensors, metadata={"format": "pt"})
+    target = load_target(ckpts.target(moe=True), load_config(ckpts.target(moe=True)))
+    a = _params(load_drafter(extract_drafter(src, tmp_path / "a"), load_config(raw),
+                             target.embed_tokens).module)  # fmt: skip
+    b = _params(load_drafter(extract_drafter(raw, tmp_path / "b"), load_config(raw),
+                             target.embed_tokens).module)  # fmt: skip
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+
 def _e4m3(code: int) -> float:
     """One E4M3FN code's value, from the format's definition (independent of the library's)."""
     s, e, m = code >> 7, (code >> 3) & 15, code & 7
