@@ -146,6 +146,28 @@ def _stops(body: dict) -> list[str]:
     return stops
 
 
+# Features this server does not have, with the value that asks for none of them: a request
+# that asks for one is refused rather than answered without it.
+UNSUPPORTED = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []),
+    "functions": (None, []), "tool_choice": (None, "none"), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+}  # fmt: skip
+
+
+def _unsupported(body: dict) -> None:
+    for name, off in UNSUPPORTED.items():
+        value = body.get(name)
+        if not any(value == v and type(value) is type(v) for v in off):
+            raise BadRequest(400, f"'{name}' is not supported by this server; leave it out",
+                             name)  # fmt: skip
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise BadRequest(400, "only plain text output is supported: 'response_format' must be "
+                         '{"type": "text"} or left out', "response_format")  # fmt: skip
+
+
 def _messages(body: dict) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -231,6 +253,7 @@ class Server:
                              f"{self.model_id!r}", "model", code="model_not_found")  # fmt: skip
         if _int(body, "n", 1, 1, 1_000_000) != 1:
             raise BadRequest(400, "'n' must be 1: one completion per request", "n")
+        _unsupported(body)
         limit = self.decoder.loaded.target.config.text.max_position_embeddings
         max_tokens = _int(body, "max_completion_tokens", None, 1, limit)
         max_tokens = max_tokens or _int(body, "max_tokens", self.default_max_tokens, 1, limit)

@@ -156,6 +156,26 @@ def test_stop_strings_cut_the_text(server, reference, stream):
         ({"model": "example", "prompt": ""}, 400, "prompt"),
         ({"model": "example", "messages": []}, 400, "messages"),
         ({"model": "example", "messages": [{"role": "user"}]}, 400, "messages"),
+        ({"model": "example", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+        ({"model": "example", "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        (
+            {
+                "model": "example",
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object"},
+            },
+            400,
+            "response_format",
+        ),
+        (
+            {
+                "model": "example",
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function"}],
+            },
+            400,
+            "tools",
+        ),
     ],
 )
 def test_bad_requests_get_a_json_error_and_disturb_nothing(server, reference, body, status,
@@ -193,6 +213,15 @@ def test_a_client_that_leaves_mid_stream_stops_its_decoding(server, reference):
     ok = httpx.post(f"{server}/v1/completions", timeout=120,
                     json={"model": "example", "prompt": PROMPTS[3], "max_tokens": 12})  # fmt: skip
     assert ok.json()["choices"][0]["text"] == reference(PROMPTS[3], False, 12)["text"]
+
+
+def test_default_values_of_unsupported_features_are_accepted(server, reference):
+    body = {"model": "example", "prompt": PROMPTS[1], "max_tokens": 8, "logprobs": None,
+            "presence_penalty": 0, "frequency_penalty": 0.0, "echo": False, "best_of": 1,
+            "logit_bias": {}}  # fmt: skip
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference(
+        PROMPTS[1], False, 8)["text"]  # fmt: skip
 
 
 def test_twenty_concurrent_requests_are_all_answered_exactly(server, reference):
