@@ -325,9 +325,10 @@ class Server:
         return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_id}
 
     async def _stream(self, job: Job, rid: str, chat: bool, usage: bool) -> AsyncIterator[str]:
-        def chunk(text: str | None, finish: str | None = None, **extra) -> str:
+        def chunk(text: str | None, finish: str | None = None, delta: dict | None = None,
+                  **extra) -> str:  # fmt: skip
             if chat:
-                delta = {} if text is None else {"content": text}
+                delta = delta or ({} if text is None else {"content": text})
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish,
@@ -337,7 +338,7 @@ class Server:
 
         try:
             if chat:
-                yield chunk(None).replace('"delta": {}', '"delta": {"role": "assistant"}', 1)
+                yield chunk(None, delta={"role": "assistant"})
             while True:
                 kind, value = await job.events.get()
                 if kind == "text":

@@ -109,6 +109,7 @@ def test_streaming_gives_the_same_text_in_pieces(server, reference):
         stream=True, stream_options={"include_usage": True},
     )  # fmt: skip
     chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
     pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
     assert len([p for p in pieces if p]) > 1  # streamed, not sent at the end
     assert "".join(pieces) == reference(PROMPTS[2], True, 24)["text"]
