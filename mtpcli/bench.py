@@ -582,14 +582,14 @@ def run(
     Returns the report's document (``markdown`` renders it)."""
     from . import synthetic as S
     from .config import check_block_size
-    from .drafters.qwen3_5_mtp import DRAFT_BITS, quantized_copy
+    from .drafters.qwen3_5_mtp import check_quantize, quantized_copy
     from .example import ensure_example, example_prompts
     from .loading import load_pair
 
     for b in blocks:
         check_block_size(b, "--block-size")
-    if any(q not in DRAFT_BITS for q in draft_quantize):
-        raise UsageError(f"--draft-quantize must be 4 or 8, got {list(draft_quantize)}")
+    for q in draft_quantize:
+        check_quantize(q)
     if simulate is not None and not 0 <= simulate <= 1:
         raise UsageError(f"--simulate-acceptance must be in [0, 1], got {simulate}")
     texts = read_prompts(prompts_file) if prompts_file is not None else None

@@ -136,13 +136,14 @@ class PrefillBar:
 def _load(model, draft_model, draft_kind, draft_block_size, draft_quantize, options):
     """The target and drafter a command runs: the built-in example without ``-m``."""
     from .config import check_block_size
+    from .drafters.qwen3_5_mtp import check_quantize
     from .example import NOTE, ensure_example
     from .loading import load_pair
 
     if draft_block_size is not None:
         check_block_size(draft_block_size, "--draft-block-size")
-    if draft_quantize is not None and draft_quantize not in (4, 8):
-        raise UsageError(f"--draft-quantize must be 4 or 8, got {draft_quantize}")
+    if draft_quantize is not None:
+        check_quantize(draft_quantize)
     if model is None:
         target_dir, example_drafter = ensure_example()
         model, draft_model = str(target_dir), draft_model or str(example_drafter)

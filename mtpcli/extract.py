@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .config import TARGET_TYPES, load_config, read_json_object
-from .drafters.qwen3_5_mtp import Qwen35MTP, quantize_drafter
+from .drafters.qwen3_5_mtp import Qwen35MTP, check_quantize, quantize_drafter
 from .errors import BadCheckpointError, MtpError, OutputError, UsageError
 from .files import check_output_dir, written_dir
 from .loading import check_drafter
@@ -54,7 +54,7 @@ def extract_drafter(src: Path, out: Path, block_size: int | None = None,
     if not wanted:
         raise BadCheckpointError(f"{src} has no mtp.* tensors to extract")
     if quantize is not None:
-        quantize_drafter(Qwen35MTP(config), quantize, group_size)  # the settings, before work
+        check_quantize(quantize, group_size, "--quantize")
     check_output_dir(out)
     tensors: dict[str, mx.array] = {}
     for f in weight_files(src):
@@ -70,7 +70,7 @@ def extract_drafter(src: Path, out: Path, block_size: int | None = None,
             module.load_weights(list(tensors.items()))
         except ValueError as e:  # names or shapes that are not a drafter head's
             raise BadCheckpointError(f"the MTP head of {src} cannot be quantized: {e}") from e
-        quantization = quantize_drafter(module, quantize, group_size)
+        quantization = quantize_drafter(module, config, quantize, group_size).quantization
         tensors = dict(tree_flatten(module.parameters()))
     raw = read_json_object(src / "config.json", "config.json")
     text = raw.get("text_config", {k: v for k, v in raw.items() if k != "model_type"})

@@ -154,13 +154,13 @@ def dequantize_fp8_blocks(codes: mx.array, scale_inv: mx.array, block: tuple[int
     """Block-FP8 weights to bfloat16: ``codes`` [N, K] (E4M3 bytes, as MLX loads them: uint8)
     times ``scale_inv`` [ceil(N / rows), ceil(K / columns)], one scale per block."""
     bn, bk = block
-    n, k = codes.shape
+    n, k = codes.shape if codes.ndim == 2 else (0, 0)
     want = (-(-n // bn), -(-k // bk))
-    if codes.dtype != mx.uint8 or tuple(scale_inv.shape) != want:
+    if codes.ndim != 2 or codes.dtype != mx.uint8 or tuple(scale_inv.shape) != want:
         raise BadCheckpointError(
             f"{name}: FP8 weight {codes.dtype} {tuple(codes.shape)} with scales "
-            f"{tuple(scale_inv.shape)}; expected uint8 codes and scales {want} for "
-            f"{bn}x{bk} blocks"
+            f"{tuple(scale_inv.shape)}; expected 2-D uint8 codes and scales "
+            f"[ceil(rows / {bn}), ceil(columns / {bk})]"
         )
     scales = mx.repeat(mx.repeat(scale_inv.astype(mx.float32), bn, axis=0), bk, axis=1)
     return (e4m3_values()[codes] * scales[:n, :k]).astype(mx.bfloat16)  # [N, K]

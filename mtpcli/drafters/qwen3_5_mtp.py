@@ -95,28 +95,36 @@ class Qwen35MTPDrafter:
 DRAFT_BITS = (4, 8)
 
 
-def quantize_drafter(module: Qwen35MTP, bits: int, group_size: int = 64) -> dict:
-    """Quantize a drafter's linear layers (affine, ``bits`` 4 or 8) in place; returns the
-    config's ``quantization`` entry. Its norms stay as they are."""
+def check_quantize(bits: int, group_size: int = 64, flag: str = "--draft-quantize") -> None:
+    """Refuse drafter quantization settings (given as ``flag``) before any work is done."""
     if bits not in DRAFT_BITS:
-        raise UsageError(f"a drafter quantizes to 4 or 8 bits, got {bits}")
+        raise UsageError(f"{flag} must be 4 or 8, got {bits}")
     if group_size not in (32, 64, 128):
         raise UsageError(f"the quantization group size must be 32, 64 or 128, got {group_size}")
+
+
+def quantize_drafter(module: Qwen35MTP, config: ModelConfig, bits: int, group_size: int = 64,
+                     where: str = "the drafter") -> ModelConfig:  # fmt: skip
+    """Quantize a bf16 drafter's linear layers (affine) in place; its norms stay as they are.
+    Returns its config with the ``quantization`` entry a quantized checkpoint's would hold
+    (the gate keys costs on it)."""
+    check_quantize(bits, group_size)
+    if config.quantization:
+        raise UsageError(f"{where} is already quantized ({config.quantization.get('bits')}-bit); "
+                         "--draft-quantize applies to a bf16 drafter")  # fmt: skip
     nn.quantize(module, group_size=group_size, bits=bits,
                 class_predicate=lambda _, m: isinstance(m, nn.Linear)
                 and m.weight.shape[-1] % group_size == 0)  # fmt: skip
     mx.eval(module.parameters())
-    return {"group_size": group_size, "bits": bits, "mode": "affine"}
+    return replace(config, quantization={"group_size": group_size, "bits": bits, "mode": "affine"})
 
 
 def quantized_copy(drafter: Qwen35MTPDrafter, bits: int, options: Options = Options()
                    ) -> Qwen35MTPDrafter:  # fmt: skip
     """A ``bits``-bit copy of a bf16 drafter (the original is left as it is)."""
-    if drafter.config.quantization:
-        raise UsageError("the drafter is already quantized; a quantized copy needs a bf16 one")
     module = Qwen35MTP(drafter.config)
     module.update(drafter.module.parameters())
-    config = replace(drafter.config, quantization=quantize_drafter(module, bits))
+    config = quantize_drafter(module, drafter.config, bits)
     return Qwen35MTPDrafter(module, config, drafter.embed_tokens, options)
 
 
@@ -128,11 +136,5 @@ def load_drafter(model_dir: Path, config: ModelConfig, embed_tokens: nn.Module,
     weights = sanitize_drafter(load_arrays(model_dir))
     load_module_weights(module, weights, config.quantization, str(model_dir))
     if quantize is not None:
-        if config.quantization:
-            raise UsageError(
-                f"the drafter {model_dir} is already quantized ({config.quantization.get('bits')}"
-                "-bit); --draft-quantize applies to a bf16 drafter"
-            )
-        # the config says so, as a quantized checkpoint's would (the gate keys costs on it)
-        config = replace(config, quantization=quantize_drafter(module, quantize))
+        config = quantize_drafter(module, config, quantize, where=f"the drafter {model_dir}")
     return Qwen35MTPDrafter(module, config, embed_tokens, options)

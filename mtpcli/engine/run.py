@@ -91,7 +91,8 @@ class StopText:
         if self.hit:  # the text ended at the stop string
             return ""
         self.text += segment
-        found = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        # a stop string cannot begin in text already sent: its first part would be held back
+        found = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
         if found:
             self.hit, end = True, min(found)
             self.text = self.text[:end]
