@@ -32,9 +32,8 @@ def draft(
     """Catch the drafter up on ``tokens`` [L] (with the target hidden before each, [1, L, H]),
     then chain k drafts.
 
-    Returns the drafts [k] and, when sampling, the drafter distributions they were drawn from.
-    The drafts are submitted, not waited for: the device computes them while the host builds
-    the verify that takes them.
+    Returns the drafts [k] and, when sampling, the drafter distributions they were drawn from,
+    as graphs not yet submitted.
     """
     h = drafter.forward(tokens[None], hidden, cache)[:, -1:]  # [1, 1, H]
     drafts, qs = [], []
@@ -48,9 +47,7 @@ def draft(
         drafts.append(d)
         if i < k - 1:
             h = drafter.forward(d.reshape(1, 1), h, cache)
-    out = mx.stack(drafts).reshape(k)  # [k]
-    mx.async_eval(out)
-    return out, (mx.stack(qs) if qs else None)
+    return mx.stack(drafts).reshape(k), (mx.stack(qs) if qs else None)  # [k], [k, V]
 
 
 def generate_mtp(
@@ -103,6 +100,7 @@ def generate_mtp(
             k = min(choose_block(rs), block_size) - 1 if choose_block else block_size - 1
             t0 = time.perf_counter()
             drafts, q = propose(drafter, target, ctx_tokens, ctx_hidden, dcache, k, sampling)
+            mx.async_eval(drafts)  # computed while the host builds the verify that takes them
             t1 = time.perf_counter()
             block = mx.concatenate([mx.array([pending], drafts.dtype), drafts])[None]  # [1, k+1]
             out = target.forward(block, tcache, verify=True)

@@ -85,13 +85,19 @@ def accept_greedy(drafts: list[int], targets: list[int]) -> int:
     return n
 
 
+def greedy_verdict(logits: mx.array, drafts: mx.array) -> mx.array:
+    """The target's tokens at the k+1 verified positions followed by the k drafts: [2k+1]
+    (one array, so the host reads a round's verdict in one wait)."""
+    return mx.concatenate([greedy(logits), drafts.astype(mx.uint32)])
+
+
 def accept(
     logits: mx.array, drafts: mx.array, q: mx.array | None, s: SamplingParams
 ) -> tuple[int, int]:
     """One round's verdict from the target logits [k+1, V] and the drafts [k] (token ids):
     (accepted drafts, next token)."""
     if s.greedy:
-        both = mx.concatenate([greedy(logits), drafts.astype(mx.uint32)]).tolist()  # one wait
+        both = greedy_verdict(logits, drafts).tolist()
         k = drafts.shape[0]
         n = accept_greedy(both[k + 1 :], both[: k + 1])
         return n, both[n]

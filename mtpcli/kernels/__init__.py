@@ -9,12 +9,13 @@ only).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import re
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
@@ -129,7 +130,7 @@ def launch_bounds(warps: int, min_blocks: int) -> str:
 def built(cache: dict, key: tuple, cuda: Callable[[], object], metal: Callable[[], object]):
     """A kernel module's kernel ``key`` for the running backend, built once by that backend's
     builder; None where the backend has none (the CPU)."""
-    full = (backend(), *key)
+    full = (backend(), _graph_as is not None, *key)
     if full not in cache:
         build = {"cuda": cuda, "metal": metal}.get(full[0])
         cache[full] = build() if build else None
@@ -156,8 +157,46 @@ def constant(a: mx.array, how: str = "contiguous", make: Callable = mx.contiguou
     return entry[1]
 
 
+_graph_as: str | None = None  # set by ``graph_as``
+
+
+@contextlib.contextmanager
+def graph_as(name: str) -> Iterator[None]:
+    """Build graphs as backend ``name`` ("cuda" or "metal") would, on any machine, for counting
+    their nodes (``mtpcli.launches``): its kernels become graph nodes, trusted unchecked, since
+    a check would run them. What is built inside can never be evaluated here."""
+    global _graph_as
+    if name not in ("cuda", "metal"):
+        raise ValueError(f"graph_as takes 'cuda' or 'metal', got {name!r}")
+    before, _graph_as = _graph_as, name
+    try:
+        yield
+    finally:
+        _graph_as = before
+
+
+def _stand_in(*, inputs, output_shapes, output_dtypes, **_launch) -> list[mx.array]:
+    """A kernel launch as ``graph_as`` builds it: one node (MLX's ``Depends``) that takes the
+    kernel's inputs and gives outputs of its shapes and dtypes (zeros, if ever evaluated)."""
+    outs = [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+    mx.eval(outs)  # data, not nodes: the launch is the one node
+    return mx.depends(outs, list(inputs))
+
+
+def cuda_kernel(**spec) -> Callable:
+    """``mx.fast.cuda_kernel(**spec)``; under ``graph_as`` a stand-in launch of one node."""
+    return _stand_in if _graph_as is not None else mx.fast.cuda_kernel(**spec)
+
+
+def metal_kernel(**spec) -> Callable:
+    """``mx.fast.metal_kernel(**spec)``; under ``graph_as`` a stand-in launch of one node."""
+    return _stand_in if _graph_as is not None else mx.fast.metal_kernel(**spec)
+
+
 def available(name: str) -> bool:
     """Whether MLX was built with backend ``name`` ("cuda" or "metal") and it has a device."""
+    if _graph_as is not None:
+        return name == _graph_as
     module = getattr(mx, name, None)  # a build need not carry every backend's module
     return bool(module is not None and module.is_available())
 
@@ -169,6 +208,8 @@ def _gpu_backend() -> str:
 
 def backend() -> str:
     """'cuda', 'metal' or 'cpu': where the default device's kernels would run."""
+    if _graph_as is not None:
+        return _graph_as
     return "cpu" if mx.default_device() == mx.cpu else _gpu_backend()
 
 
@@ -180,7 +221,7 @@ def use_native(name: str, key: tuple, check: Callable[[], str | None], mode: str
     """
     if mode == "ops":
         return False
-    if mode == "native":
+    if mode == "native" or _graph_as is not None:
         return True
     if (name, key) not in _verdicts:
         try:

@@ -19,7 +19,18 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import available, backend, built, constant, fill, kernel_name, spell, use_native
+from . import (
+    available,
+    backend,
+    built,
+    constant,
+    cuda_kernel,
+    fill,
+    kernel_name,
+    metal_kernel,
+    spell,
+    use_native,
+)
 
 
 @dataclass(frozen=True)
@@ -288,10 +299,10 @@ def _kernels_for(eps: float, rope: Rope, scale: float):
         )  # fmt: skip
 
     def cuda():
-        return make(mx.fast.cuda_kernel, False) if available("cuda") else None
+        return make(cuda_kernel, False) if available("cuda") else None
 
     def metal():
-        return make(mx.fast.metal_kernel, True) if available("metal") else None
+        return make(metal_kernel, True) if available("metal") else None
 
     return built(_kernels, (eps, rope, scale), cuda, metal)
 

@@ -23,9 +23,11 @@ from . import (
     backend,
     built,
     constant,
+    cuda_kernel,
     fill,
     kernel_name,
     launch_bounds,
+    metal_kernel,
     spell,
     use_native,
 )
@@ -436,13 +438,13 @@ def _spec(metal: bool, keep: bool, conv: bool = False,
 def _build_cuda(keep: bool, conv: bool, bounds: tuple[int, int] | None):
     if not available("cuda"):
         return None
-    return mx.fast.cuda_kernel(**_spec(False, keep, conv, bounds))
+    return cuda_kernel(**_spec(False, keep, conv, bounds))
 
 
 def _build_metal(keep: bool, conv: bool):
     if not available("metal"):
         return None
-    return mx.fast.metal_kernel(**_spec(True, keep, conv))
+    return metal_kernel(**_spec(True, keep, conv))
 
 
 def _kernel(keep: bool, conv: bool = False, bounds: tuple[int, int] | None = None):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import available, built, fill, kernel_name, launch_bounds
+from . import available, built, cuda_kernel, fill, kernel_name, launch_bounds, metal_kernel
 
 MAX_ROWS = 8  # the mma's n dimension
 WARPS = 8  # split-K warps per 16-row tile, reduced in a fixed order
@@ -452,13 +452,13 @@ def _spec(metal: bool, header: str, variant: Variant = PLAIN) -> dict:
 def _build_cuda(variant: Variant, header: str):
     if not available("cuda"):
         return None
-    return mx.fast.cuda_kernel(**_spec(False, header, variant))
+    return cuda_kernel(**_spec(False, header, variant))
 
 
 def _build_metal(variant: Variant):
     if not available("metal"):
         return None
-    return mx.fast.metal_kernel(**_spec(True, "", variant))
+    return metal_kernel(**_spec(True, "", variant))
 
 
 # The norm and swiglu variants take 66-68 registers unbounded (3 blocks of 8 warps a
