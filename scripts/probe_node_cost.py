@@ -20,7 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-BODY = "uint i = threadIdx.x + blockIdx.x * blockDim.x; out[i] = inp[i] + (T)1;"
+BODY = "unsigned int i = threadIdx.x + blockIdx.x * blockDim.x; out[i] = inp[i] + (T)1;"
 
 
 def custom(pad: int):
@@ -40,6 +40,25 @@ def chains(nodes: int) -> dict:
         for i in range(nodes):
             x = x.reshape(shapes[i % 3])
         return x
+
+    wide = mx.zeros((1, 1, 5120 + nodes), mx.bfloat16)
+    mx.eval(wide)
+
+    def slices(x):
+        x = wide
+        for _ in range(nodes):
+            x = x[..., 1:]
+        return x
+
+    buf = mx.zeros((1, 4, 512, 256), mx.bfloat16)
+    row = mx.ones((1, 4, 1, 256), mx.bfloat16)
+    mx.eval(buf, row)
+
+    def slice_updates(x):
+        b = buf
+        for i in range(nodes):
+            b[..., i % 512 : i % 512 + 1, :] = row
+        return b
 
     def elementwise(x):
         for _ in range(nodes):
@@ -66,6 +85,8 @@ def chains(nodes: int) -> dict:
 
     return {
         "view (reshape)": views,
+        "view (slice)": slices,
+        "slice update (a KV row)": slice_updates,
         "elementwise (add)": elementwise,
         "custom kernel, 0.3 KB source": chain_of(short),
         "custom kernel, 8.3 KB source": chain_of(long),
