@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mtpcli.kernels import compact
+
 _PRELUDE = r"""
 #include <algorithm>
 #include <barrier>
@@ -250,6 +252,7 @@ def run(
     where its bits are not a float32 or uint32 array's (bf16 inputs as uint16 arrays, say);
     ``header`` goes before the kernel, as ``mx.fast.cuda_kernel``'s does."""
     assert threadgroup[0] % 32 == 0 and threadgroup[0] <= 1024
+    source, header = compact(source), compact(header)  # the texts as MLX is given them
     assert all(g % t == 0 for g, t in zip(grid, threadgroup, strict=True))
     names = list(inputs)
     arrays = [np.asarray(inputs[n]) for n in names]

@@ -12,11 +12,11 @@ import subprocess
 
 import pytest
 
+from mtpcli.kernels import compact, launch_bounds
 from mtpcli.kernels import conv_window as cw
 from mtpcli.kernels import decode_attention as da
 from mtpcli.kernels import gated_delta as gd
 from mtpcli.kernels import gated_norm as gn
-from mtpcli.kernels import launch_bounds
 from mtpcli.kernels import qmm_kernel as qm
 
 NVCC = shutil.which("nvcc")
@@ -33,6 +33,7 @@ BF16, HALF, F32, U32 = "__nv_bfloat16", "__half", "float", "uint32_t"
 
 
 def _wrap(source: str, header: str, inputs: dict, outputs: dict, constants: dict) -> str:
+    source, header = compact(source), compact(header)  # the texts as MLX is given them
     params = []
     for name, ctype in inputs.items():
         params.append(f"const {ctype}* {name}")

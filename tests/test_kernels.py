@@ -469,3 +469,25 @@ def test_a_kernel_text_with_a_missing_or_stray_part_is_refused():
     for module_text in (gd._TEMPLATE,):
         with pytest.raises(ValueError, match="KEEP_STATES"):
             fill(module_text)  # every part of the real kernel is asked for
+
+
+def test_compact_drops_comments_and_indentation_but_no_code():
+    from mtpcli.kernels import compact
+
+    text = """
+    // a comment line
+    const int a = 1;  // trailing
+    asm("mov.b32 %0, %1; // not a comment" : "=r"(r) : "r"(x));
+
+    #define TWO(x) \\
+      ((x) + \\
+       (x))  // the end
+    int b = 2; // continued \\
+    int c = 3;
+    """
+    assert compact(text) == (
+        "const int a = 1;\n"
+        'asm("mov.b32 %0, %1; // not a comment" : "=r"(r) : "r"(x));\n'
+        "#define TWO(x) \\\n((x) + \\\n(x))\n"
+        "int b = 2; // continued \\\nint c = 3;\n"
+    )

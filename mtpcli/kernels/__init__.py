@@ -183,14 +183,48 @@ def _stand_in(*, inputs, output_shapes, output_dtypes, **_launch) -> list[mx.arr
     return mx.depends(outs, list(inputs))
 
 
+def compact(text: str) -> str:
+    """A kernel text without its ``//`` comments, indentation and blank lines. MLX builds a
+    kernel's whole text on every call and hashes it on every evaluation: on the H100 an 8 KB
+    text cost 1.6 us a launch more than a short one (docs/benchmark_results). A comment on a
+    line continued by a backslash is kept (the backslash would continue the comment)."""
+    lines = []
+    for line in text.splitlines():
+        code = line
+        if not line.rstrip().endswith("\\"):
+            at = _comment_at(line)
+            code = line if at is None else line[:at]
+        code = code.strip()
+        if code:
+            lines.append(code)
+    return "\n".join(lines) + "\n"
+
+
+def _comment_at(line: str) -> int | None:
+    """Where a ``//`` comment starts on ``line``, outside string literals; None if none."""
+    quoted = False
+    for i, ch in enumerate(line):
+        if ch == '"' and (i == 0 or line[i - 1] != "\\"):
+            quoted = not quoted
+        elif not quoted and line.startswith("//", i):
+            return i
+    return None
+
+
+def _compacted(spec: dict) -> dict:
+    return spec | {key: compact(spec[key]) for key in ("source", "header") if spec.get(key)}
+
+
 def cuda_kernel(**spec) -> Callable:
-    """``mx.fast.cuda_kernel(**spec)``; under ``graph_as`` a stand-in launch of one node."""
-    return _stand_in if _graph_as is not None else mx.fast.cuda_kernel(**spec)
+    """``mx.fast.cuda_kernel(**spec)`` with its texts compacted (``compact``); under
+    ``graph_as`` a stand-in launch of one node."""
+    return _stand_in if _graph_as is not None else mx.fast.cuda_kernel(**_compacted(spec))
 
 
 def metal_kernel(**spec) -> Callable:
-    """``mx.fast.metal_kernel(**spec)``; under ``graph_as`` a stand-in launch of one node."""
-    return _stand_in if _graph_as is not None else mx.fast.metal_kernel(**spec)
+    """``mx.fast.metal_kernel(**spec)`` with its texts compacted (``compact``); under
+    ``graph_as`` a stand-in launch of one node."""
+    return _stand_in if _graph_as is not None else mx.fast.metal_kernel(**_compacted(spec))
 
 
 def available(name: str) -> bool:
