@@ -221,7 +221,11 @@ def _build(code: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
-_C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.uint32): "uint32_t"}
+_C_TYPES = {
+    np.dtype(np.float32): "float",
+    np.dtype(np.uint32): "uint32_t",
+    np.dtype(np.int32): "int32_t",
+}
 _MMA = re.compile(
     r'asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(\w+)\.'
     r'.*?"r"\(b\[1\]\)\);',

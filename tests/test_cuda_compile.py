@@ -172,9 +172,12 @@ def test_decode_attention_kernels_compile_without_spills(tmp_path, dtype):
     names = ["q", "k", "v", "q_norm", "k_norm", "keys", "values"]
     outputs = {"part_m": F32, "part_l": F32, "part_acc": F32, "k_out": dtype}
     constants = {"InT": dtype, "D": 256, "WARPS": da._WARPS}
-    code = _wrap(partial, header, dict.fromkeys(names, dtype), outputs, constants)
+    inputs = dict.fromkeys(names, dtype) | {"cached": "int32_t"}
+    assert list(inputs) == da._PARTIAL_INPUTS
+    code = _wrap(partial, header, inputs, outputs, constants)
     assert _no_spills(_compile(tmp_path, code))
-    types = {"part_m": F32, "part_l": F32, "part_acc": F32, "gate": dtype, "keys": dtype}
+    types = {"part_m": F32, "part_l": F32, "part_acc": F32, "gate": dtype, "cached": "int32_t"}
+    assert list(types) == da._COMBINE_INPUTS
     code = _wrap(combine, header, types, {"out": dtype}, {"InT": dtype, "D": 256})
     assert _no_spills(_compile(tmp_path, code))
 

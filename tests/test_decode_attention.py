@@ -43,16 +43,27 @@ def _inputs(dtype=mx.bfloat16, B=2, Hq=6, Hkv=2, N=20, D=128, seed=0, T=1):
     return q, k, v, gate, qw, kw, buffer[0, :, :, :N], buffer[1, :, :, :N]
 
 
+def _rows(args: tuple, length) -> tuple:
+    """A native kernel's arguments with the cache's buffers cut to their ``length`` rows."""
+    return (*args[:7], *da._rows(args[7], args[8], length), *args[9:])
+
+
 def _ops(args, scale):
     return da.decode_attention_ops(*args[:6], EPS, *args[6:], ROPE, scale)
 
 
-def _emulated(args, scale, metal=False, partial=None) -> tuple[np.ndarray, np.ndarray]:
-    """(out, new key) of the two kernels in emulation: bf16 bits (CUDA) or float32 (Metal)."""
+def _emulated(
+    args, scale, metal=False, partial=None, buffers=None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(out, new key) of the two kernels in emulation: bf16 bits (CUDA) or float32 (Metal).
+    ``buffers`` (keys, values): longer buffers whose first N rows are args' keys and values,
+    given to the kernels in their place with N as their ``cached`` input (the model's way)."""
     q, k, v, gate, qw, kw, keys, values = args
     B, T, Hq, D = q.shape
+    N = keys.shape[2]
     names = ["q", "k", "v", "q_norm", "k_norm", "keys", "values"]
-    given = dict(zip(names, args[:3] + args[4:], strict=True))
+    kv = buffers or (keys, values)
+    given = dict(zip(names, args[:3] + args[4:6] + tuple(kv), strict=True))
     if metal:
         host = {n: np.array(a.astype(mx.float32)) for n, a in given.items()}
         host_gate, constants, types = np.array(gate.astype(mx.float32)), {"InT": "float"}, None
@@ -60,22 +71,40 @@ def _emulated(args, scale, metal=False, partial=None) -> tuple[np.ndarray, np.nd
         host = {n: np.array(a.view(mx.uint16)) for n, a in given.items()}
         host_gate, constants = np.array(gate.view(mx.uint16)), {"InT": "__nv_bfloat16"}
         types = dict.fromkeys(names + ["gate"], "InT")
+    cached = np.array([N], np.int32)
     header, partial_src, combine_src = da.sources(metal, EPS, ROPE, scale)
-    shapes = da.launch_shapes(B, T, Hq, k.shape[2], keys.shape[2], D)
+    shapes = da.launch_shapes(B, T, Hq, k.shape[2], D)
     parts = cuda_emulation.run(
-        partial or partial_src, host,
+        partial or partial_src, host | {"cached": cached},
         dict(zip(da._PARTIAL_OUTPUTS, shapes["partial_outputs"], strict=True)),
         constants | {"D": D, "WARPS": da._WARPS}, shapes["partial_grid"],
         shapes["partial_threadgroup"], header=header, types=types,
     )  # fmt: skip
     combined = cuda_emulation.run(
         combine_src,
-        {n: parts[n] for n in da._PARTIAL_OUTPUTS[:3]} | {"gate": host_gate, "keys": host["keys"]},
+        {n: parts[n] for n in da._PARTIAL_OUTPUTS[:3]} | {"gate": host_gate, "cached": cached},
         {"out": shapes["combine_outputs"][0]}, constants | {"D": D}, shapes["combine_grid"],
-        shapes["combine_threadgroup"], header=header,
-        types=types and {"gate": "InT", "keys": "InT"},
+        shapes["combine_threadgroup"], header=header, types=types and {"gate": "InT"},
     )  # fmt: skip
     return combined["out"], parts["k_out"]
+
+
+@emulated
+@pytest.mark.parametrize("N", [3, 40])
+def test_emulated_kernels_read_the_cache_length_from_their_input(N):
+    """The cache as the first N rows of a longer buffer, N given as an input (as the model's
+    graph gives it): bitwise the kernels on the N rows alone; a wrong N changes the output."""
+    args = _inputs(N=N, Hq=4, Hkv=2, T=3)
+    ks = mx.random.split(mx.random.key(99), 2)
+    pad = [mx.random.normal((*a.shape[:2], 11, a.shape[3]), key=key).astype(a.dtype)
+           for a, key in zip(args[6:], ks, strict=True)]  # fmt: skip
+    buffers = tuple(mx.concatenate([a, p], axis=2) for a, p in zip(args[6:], pad, strict=True))
+    want = _emulated(args, 128**-0.5)
+    got = _emulated(args, 128**-0.5, buffers=buffers)
+    for a, b in zip(got, want, strict=True):
+        assert np.array_equal(a, b)
+    longer = (*args[:6], buffers[0][:, :, : N + 1], buffers[1][:, :, : N + 1])
+    assert not np.array_equal(_emulated(longer, 128**-0.5)[0], want[0])
 
 
 @emulated
@@ -107,7 +136,7 @@ def test_emulated_kernels_match_the_reference(metal, N, Hq, Hkv, T):
         (("hk * keys_strides[1]", "hk * keys_strides[2]"), 1),  # the cache through wrong strides
         (("static_cast<float>(N + t)", "static_cast<float>(N)"), 3),  # every query at position N
         (("u * k_strides[1]", "0 * k_strides[1]"), 3),  # the block's first key for all of them
-        (("++t;", "t += 0;"), 3),  # every split given to the first position
+        (("(blk % total) / MAX_SPLITS;", "0;"), 3),  # every split given to the first position
     ],
 )
 def test_emulation_catches_a_broken_kernel(mistake, T):
@@ -171,7 +200,8 @@ def test_rope_spec_only_for_what_the_kernel_does():
 def test_a_correct_kernel_is_trusted_and_used(pretend_gpu):
     calls = []
 
-    def native(*args):
+    def native(*args, length=None):
+        args = _rows(args, length)
         calls.append(args[7].shape)  # the cache's keys
         return da.decode_attention_ops(*args)
 
@@ -185,7 +215,8 @@ def test_a_correct_kernel_is_trusted_and_used(pretend_gpu):
 
 @pytest.mark.parametrize("wrong", ["output", "new key"])
 def test_a_wrong_kernel_is_refused_with_a_warning(pretend_gpu, wrong):
-    def native(*args):
+    def native(*args, length=None):
+        args = _rows(args, length)
         out, k = da.decode_attention_ops(*args)
         if args[7].shape[2] < 100:  # right for a short cache only: the check tries a long one
             return out, k
@@ -204,7 +235,8 @@ def test_a_block_whose_rows_differ_goes_position_by_position(pretend_gpu):
     run as one-position launches of the same kernels, which are still trusted."""
     calls = []
 
-    def native(*args):
+    def native(*args, length=None):
+        args = _rows(args, length)
         calls.append(args[0].shape[1])
         out, k = da.decode_attention_ops(*args)
         return (out * (1 + 2**-7), k) if args[0].shape[1] > 1 else (out, k)
@@ -221,7 +253,8 @@ def test_a_block_whose_rows_differ_goes_position_by_position(pretend_gpu):
 def test_a_block_runs_in_one_launch_pair_once_trusted(pretend_gpu):
     calls = []
 
-    def native(*args):
+    def native(*args, length=None):
+        args = _rows(args, length)
         calls.append(args[0].shape[1])
         return da.decode_attention_ops(*args)
 
@@ -244,9 +277,9 @@ def test_the_model_takes_the_kernel_path_on_a_gpu_and_stays_exact(load, monkeypa
     want = [list(generate_classic(loaded.target, p, max_tokens=24)) for p in prompts]
     calls = []
 
-    def counted(*args):
+    def counted(*args, **kw):
         calls.append(args[0].shape[1])  # positions
-        return da.decode_attention(*args)
+        return da.decode_attention(*args, **kw)
 
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")  # what attention_core asks
     monkeypatch.setattr(tm, "decode_attention", counted)
@@ -256,8 +289,8 @@ def test_the_model_takes_the_kernel_path_on_a_gpu_and_stays_exact(load, monkeypa
         assert list(got) == w
     assert calls.count(1) >= 2 * 23 and max(calls) == 3  # decode steps, and verify blocks
 
-    def dropped_key(*args):  # the new position's own key left out of the product
-        args = args[:11]  # without the kernel mode
+    def dropped_key(*args, length=None):  # the new position's own key left out of the product
+        args = _rows(args[:11], length)  # the cache's rows, without the kernel mode
         out, k = da.decode_attention_ops(*args)
         q, kk, v, gate, qw, kw, eps, keys, values, rope, scale = args
         wrong, _ = da.decode_attention_ops(q, kk, v, gate, qw, kw, eps, keys[:, :, 1:],

@@ -14,10 +14,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_5
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
 
 from ..config import ModelConfig
 from ..errors import UsageError
+from ..models.kv_cache import RowsKVCache
 from ..models.quantized_layers import install
 from ..models.qwen3_5 import (
     LayerFunctions,
@@ -62,7 +62,7 @@ class Qwen35MTPDrafter:
         self.functions = LayerFunctions(options.compile)  # as the target's: short blocks
 
     def make_cache(self) -> list:
-        return [KVCache() for _ in self.module.layers]
+        return [RowsKVCache() for _ in self.module.layers]
 
     def forward(self, tokens: mx.array, hidden: mx.array, cache: list) -> mx.array:
         m, fns, L = self.module, self.functions, tokens.shape[1]

@@ -273,6 +273,17 @@ def use_native(name: str, key: tuple, check: Callable[[], str | None], mode: str
     return _verdicts[(name, key)]
 
 
+def trusted(name: str, key: tuple, mode: str) -> bool:
+    """Whether kernel ``name`` runs for ``key`` under ``mode`` with no check still to come:
+    ``native``, or ``auto`` once its check passed in this process (a graph compiled around it
+    must not run a check, nor take a fallback that reads values back)."""
+    if mode == "ops":
+        return False
+    if mode == "native" or _graph_as is not None:
+        return True
+    return _verdicts.get((name, key), False)
+
+
 def reset_verdicts() -> None:
     """Forget every kernel's self-check (tests)."""
     _verdicts.clear()

@@ -29,6 +29,7 @@ from . import (
     kernel_name,
     metal_kernel,
     spell,
+    trusted,
     use_native,
 )
 
@@ -80,7 +81,10 @@ MIN_CHUNK = 16
 MAX_SPLITS = 64
 MAX_T = 16  # positions a launch (a verify block's; longer blocks go through MLX's ops)
 _WARPS = 8  # a threadgroup's warps / SIMD-groups; keys go to them round-robin
-_SPLITS = f"#define SPLITS(n) min(((n) + {MIN_CHUNK - 1}) / {MIN_CHUNK}, {MAX_SPLITS})\n"
+_SPLITS = (
+    f"#define MAX_SPLITS {MAX_SPLITS}\n"
+    f"#define SPLITS(n) min(((n) + {MIN_CHUNK - 1}) / {MIN_CHUNK}, MAX_SPLITS)\n"
+)
 
 
 def splits(n_keys: int) -> int:
@@ -123,7 +127,10 @@ KERNEL_FN void mtp_norm_rope(DEVICE const T* x, long stride, DEVICE const W* w, 
 """
 
 # Threadgroup (b, h, position t, split): position t's n = N + t + 1 keys in SPLITS(n) blocks
-# (what a decode step at that position does: the layout depends on n alone). The query normed
+# (what a decode step at that position does: the layout depends on n alone). The grid has
+# MAX_SPLITS threadgroups a position whatever N is, those past SPLITS(n) returning at once, and
+# N is read from an input: a launch's shape, and so a compiled graph around it, is the same at
+# every cache length. The query normed
 # and rotated in every warp's registers; the split's keys j0 <= j < j1 round-robin over the
 # warps, each keeping a running max, sum and weighted sum of values; then the warps' partials
 # merged in warp order. Keys from N on are the block's own: the warp that takes one normalises
@@ -136,20 +143,16 @@ _PARTIAL = """
     const int Hq = q_shape[2];
     const int Hkv = k_shape[2];
     const int G = Hq / Hkv;
-    const int N = keys_shape[2];
-    int total = 0;
-    for (int u = 0; u < T; ++u) total += SPLITS(N + u + 1);
+    const int N = cached[0];  // the cache's rows: read here, so one launch serves every N
+    const int total = T * MAX_SPLITS;  // a head's threadgroups: every position's most splits
     const int h = (blk / total) % Hq;
     const int b = blk / (total * Hq);
     const int hk = h / G;
-    int split = blk % total;
-    int t = 0;
-    while (split >= SPLITS(N + t + 1)) {
-      split -= SPLITS(N + t + 1);
-      ++t;
-    }
+    const int t = (blk % total) / MAX_SPLITS;
+    const int split = blk % MAX_SPLITS;
     const int n = N + t + 1;
     const int S = SPLITS(n);
+    if (split >= S) return;  // a split this position's n keys do not have
     const int chunk = (n + S - 1) / S;
     const int j0 = split * chunk;
     const int j1 = min(j0 + chunk, n);
@@ -221,20 +224,18 @@ _PARTIAL = """
 
 # Threadgroup (b, t, h), a thread a feature: position t's splits merged in order, the output
 # rounded to the input dtype as MLX's attention leaves it, times the gate's sigmoid (rounded, as
-# mlx-lm's ``o * mx.sigmoid(gate)``). The cache's keys are an input for their length only.
+# mlx-lm's ``o * mx.sigmoid(gate)``).
 _COMBINE = """
     {{THREAD_INDICES}}
     const int T = gate_shape[1];
     const int Hq = gate_shape[2];
-    const int N = keys_shape[2];
-    const int total = part_m_shape[2];
+    const int N = cached[0];
+    const int total = T * MAX_SPLITS;
     const int h = blk % Hq;
     const int t = (blk / Hq) % T;
     const int b = blk / (Hq * T);
-    int base = 0;
-    for (int u = 0; u < t; ++u) base += SPLITS(N + u + 1);
     const int S = SPLITS(N + t + 1);
-    const size_t first = (size_t)(b * Hq + h) * total + base;
+    const size_t first = (size_t)(b * Hq + h) * total + t * MAX_SPLITS;
     DEVICE const float* pm = part_m + first;
     DEVICE const float* pl = part_l + first;
     float M = pm[0];
@@ -281,9 +282,9 @@ def sources(metal: bool, eps: float, rope: Rope, scale: float) -> tuple[str, str
     return tuple(spell(text, metal) for text in (header, partial, combine))
 
 
-_PARTIAL_INPUTS = ["q", "k", "v", "q_norm", "k_norm", "keys", "values"]
+_PARTIAL_INPUTS = ["q", "k", "v", "q_norm", "k_norm", "keys", "values", "cached"]
 _PARTIAL_OUTPUTS = ["part_m", "part_l", "part_acc", "k_out"]
-_COMBINE_INPUTS = ["part_m", "part_l", "part_acc", "gate", "keys"]
+_COMBINE_INPUTS = ["part_m", "part_l", "part_acc", "gate", "cached"]
 
 
 def _kernels_for(eps: float, rope: Rope, scale: float):
@@ -307,9 +308,10 @@ def _kernels_for(eps: float, rope: Rope, scale: float):
     return built(_kernels, (eps, rope, scale), cuda, metal)
 
 
-def launch_shapes(B: int, T: int, Hq: int, Hkv: int, N: int, D: int) -> dict:
-    """Grids, threadgroups and output shapes of the two launches (for the launch and tests)."""
-    S = sum(splits(N + t + 1) for t in range(T))  # every position's splits, in order
+def launch_shapes(B: int, T: int, Hq: int, Hkv: int, D: int) -> dict:
+    """Grids, threadgroups and output shapes of the two launches (for the launch and tests):
+    the same at every cache length."""
+    S = T * MAX_SPLITS  # every position's most splits, in order
     return {
         "partial_grid": (32 * _WARPS * B * Hq * S, 1, 1),
         "partial_threadgroup": (32 * _WARPS, 1, 1),
@@ -320,18 +322,22 @@ def launch_shapes(B: int, T: int, Hq: int, Hkv: int, N: int, D: int) -> dict:
     }
 
 
-def decode_attention_native(q, k, v, gate, q_norm, k_norm, eps, keys, values, rope, scale):
-    """The native kernels (same contract as ``decode_attention_ops``); None where there are none."""
+def decode_attention_native(q, k, v, gate, q_norm, k_norm, eps, keys, values, rope, scale,
+                            length: mx.array | None = None):  # fmt: skip
+    """The native kernels (same contract as ``decode_attention_ops``); None where there are none.
+    ``length``: the cache's N as an int32 [1] array, keys and values then buffers whose first N
+    rows are the cache (a graph built with it serves every N); without it N is keys' length."""
     kernels = _kernels_for(eps, rope, scale)
     if kernels is None:
         return None
     partial, combine = kernels
     B, T, Hq, D = q.shape
-    Hkv, N = k.shape[2], keys.shape[2]
-    shapes = launch_shapes(B, T, Hq, Hkv, N, D)
+    Hkv = k.shape[2]
+    cached = mx.array([keys.shape[2]], mx.int32) if length is None else length
+    shapes = launch_shapes(B, T, Hq, Hkv, D)
     f32, dt = mx.float32, q.dtype
     part_m, part_l, part_acc, k_out = partial(
-        inputs=[q, k, v, constant(q_norm), constant(k_norm), keys, values],
+        inputs=[q, k, v, constant(q_norm), constant(k_norm), keys, values, cached],
         template=[("InT", dt), ("D", D), ("WARPS", _WARPS)],
         grid=shapes["partial_grid"],
         threadgroup=shapes["partial_threadgroup"],
@@ -339,7 +345,7 @@ def decode_attention_native(q, k, v, gate, q_norm, k_norm, eps, keys, values, ro
         output_dtypes=[f32, f32, f32, dt],
     )
     out = combine(
-        inputs=[part_m, part_l, part_acc, gate, keys],
+        inputs=[part_m, part_l, part_acc, gate, cached],
         template=[("InT", dt), ("D", D)],
         grid=shapes["combine_grid"],
         threadgroup=shapes["combine_threadgroup"],
@@ -381,10 +387,10 @@ def one_at_a_time(attend, q, k, v, gate, q_norm, k_norm, eps, keys, values, rope
 
 def _self_check(dtype, wdtype, D: int, eps: float, rope: Rope, scale: float,
                 block: bool = False) -> str | None:  # fmt: skip
-    """Agreement with the reference at a few cache lengths (one split and several; a cache
-    that is a view into a longer buffer, as mlx-lm's KVCache gives it), for one position, or
-    (``block``) for blocks of three, whose rows must also be the one-position launches' bitwise
-    (decode steps')."""
+    """Agreement with the reference at a few cache lengths (one split and several), the cache
+    given as the first N rows of a longer buffer with N on the device (as the model gives it),
+    for one position, or (``block``) for blocks of three, whose rows must also be the
+    one-position launches' bitwise (decode steps')."""
     kq, kk, kv, kg, kw, kc = mx.random.split(mx.random.key(1357), 6)
     B, T, Hq, Hkv = 2, 3, 6, 2
     q = (mx.random.normal((B, T, Hq, D), key=kq) * 2).astype(dtype)
@@ -397,10 +403,11 @@ def _self_check(dtype, wdtype, D: int, eps: float, rope: Rope, scale: float,
     tol = 2e-2 if dtype != mx.float32 else 1e-4
     for N, rows in ((14, T), (131, T)) if block else ((5, 1), (131, 1)):  # 14: across an edge
         keys, values = buffer[0, :, :, :N], buffer[1, :, :, :N]
-        args = (q[:, :rows], k[:, :rows], v[:, :rows], gate[:, :rows], qw, kw_, eps, keys,
-                values, rope, scale)  # fmt: skip
+        head = (q[:, :rows], k[:, :rows], v[:, :rows], gate[:, :rows], qw, kw_, eps)
+        args = (*head, keys, values, rope, scale)
         try:
-            got = decode_attention_native(*args)
+            got = decode_attention_native(*head, buffer[0], buffer[1], rope, scale,
+                                          length=mx.array([N], mx.int32))  # fmt: skip
             want = decode_attention_ops(*args)
             steps = one_at_a_time(decode_attention_native, *args) if rows > 1 else got
             mx.eval(got, want, steps)
@@ -417,25 +424,56 @@ def _self_check(dtype, wdtype, D: int, eps: float, rope: Rope, scale: float,
 
 
 def decode_attention(q, k, v, gate, q_norm, k_norm, eps: float, keys, values, rope: Rope | None,
-                     scale: float, mode: str = "auto") -> tuple[mx.array, mx.array]:  # fmt: skip
+                     scale: float, mode: str = "auto",
+                     length: mx.array | None = None) -> tuple[mx.array, mx.array]:  # fmt: skip
     """Gated attention of T positions on the best trusted path under kernel ``mode``, each row
     as a decode step at its position computes it (shapes as ``decode_attention_ops``; ``rope``
-    None means a rotary embedding the kernels do not do)."""
+    None means a rotary embedding the kernels do not do). With ``length`` (N, int32 [1]) keys
+    and values are buffers whose first N rows are the cache: the native block path then builds
+    a graph of the same shape at every N; the other paths read N back from the device."""
     if backend() != "cpu" and supported(q, k, keys, rope):
-        D = q.shape[-1]
-        key = (backend(), str(q.dtype), str(q_norm.dtype), D, eps, rope, scale)
-        args = (q, k, v, gate, q_norm, k_norm, eps, keys, values, rope, scale)
+        D, key = q.shape[-1], _key(q, q_norm, eps, rope, scale)
         check = lambda block: _self_check(q.dtype, q_norm.dtype, D, eps, rope, scale, block)  # noqa: E731
         if use_native("decode_attention", key, lambda: check(False), mode):
             # A block in one pair of launches once its rows proved the one-position ones
             # bitwise on this device; else position by position through the same kernels.
             if q.shape[1] == 1 or use_native("decode_attention_block", key, lambda: check(True),
                                              mode):  # fmt: skip
-                got = decode_attention_native(*args)
+                got = decode_attention_native(q, k, v, gate, q_norm, k_norm, eps, keys, values,
+                                              rope, scale, length=length)  # fmt: skip
             else:
-                got = one_at_a_time(decode_attention_native, *args)
+                keys, values = _rows(keys, values, length)
+                got = one_at_a_time(decode_attention_native, q, k, v, gate, q_norm, k_norm, eps,
+                                    keys, values, rope, scale)  # fmt: skip
             if got is not None:
                 return got
     if rope is None:
         raise ValueError("decode_attention_ops needs a Rope; the caller keeps other kinds")
+    keys, values = _rows(keys, values, length)
     return decode_attention_ops(q, k, v, gate, q_norm, k_norm, eps, keys, values, rope, scale)
+
+
+def _key(q, q_norm, eps: float, rope: Rope, scale: float) -> tuple:
+    """The shape class the kernels are checked for."""
+    return (backend(), str(q.dtype), str(q_norm.dtype), q.shape[-1], eps, rope, scale)
+
+
+def native_block(q, k, keys, q_norm, eps: float, rope: Rope | None, scale: float,
+                 mode: str = "auto") -> bool:  # fmt: skip
+    """Whether ``decode_attention`` runs q's T positions on the native kernels in one block
+    with every check already passed: the path a compiled graph can hold (the others read the
+    cache's length back, or check)."""
+    if backend() == "cpu" or not supported(q, k, keys, rope):
+        return False
+    key = _key(q, q_norm, eps, rope, scale)
+    return trusted("decode_attention", key, mode) and (
+        q.shape[1] == 1 or trusted("decode_attention_block", key, mode)
+    )
+
+
+def _rows(keys: mx.array, values: mx.array, length: mx.array | None) -> tuple:
+    """The cache's N rows of buffers ``keys``, ``values`` (all of them without ``length``)."""
+    if length is None:
+        return keys, values
+    N = int(length.item())
+    return keys[..., :N, :], values[..., :N, :]

@@ -17,16 +17,17 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3_5, qwen3_5_moe
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache
 
 from .. import kernels
 from ..config import ModelConfig
-from ..kernels.decode_attention import MAX_T, Rope, decode_attention
+from ..kernels.decode_attention import MAX_T, Rope, decode_attention, native_block
 from ..kernels.gated_delta import gated_delta_conv
 from ..kernels.gated_norm import gated_norm_in_place
 from ..options import Options
 from ..weights import load_arrays, load_module_weights
 from . import ForwardOut, GatedDeltaTrace
+from .kv_cache import GraphKV, RowsKVCache
 from .quantized_layers import FusedProjection, install, linear_add
 
 PREFILL_CHUNK = 2048
@@ -51,6 +52,7 @@ class RowPolicy:
         self._seen: dict[tuple, int] = {}  # equal comparisons so far, per unsettled class
         self._sigs: dict[int, tuple] = {}  # id(module) -> (module, signature)
         self._classes: dict[tuple, int] = {}  # op class -> its signature
+        self.probed = False  # whether a comparison ran since the owner last cleared this
 
     def signature(self, module: nn.Module) -> int:
         """The module's op class (its type, bits, parameter names, shapes and dtypes) as a small
@@ -79,6 +81,7 @@ class RowPolicy:
             return batched()
         out = single()
         if ok is None:
+            self.probed = True
             if _equal(batched(), out):
                 self._seen[key] = self._seen.get(key, 0) + 1
                 if self._seen[key] >= self.CONFIRM:
@@ -160,26 +163,27 @@ def _attention_pre(m, h, norm, fused=None):
     return q, k, v, gate
 
 
-def rows_rope(m, cache: KVCache, L: int) -> Rope | None:
+def rows_rope(m, cache: RowsKVCache | GraphKV, L: int) -> Rope | None:
     """The rotary spec where L positions after the cache go through ``decode_attention`` on a
     GPU (each row exactly a decode step's), else None (MLX's ops: prefill, the CPU)."""
-    if kernels.backend() == "cpu" or cache.offset == 0 or L > MAX_T or m.q_norm.eps != m.k_norm.eps:
+    if kernels.backend() == "cpu" or not cache.filled or L > MAX_T or m.q_norm.eps != m.k_norm.eps:
         return None
     return Rope.of(m.rope)
 
 
-def attention_core(m, q, k, v, gate, mask, cache: KVCache, mode: str = "auto") -> mx.array:
-    """The q/k norms, positions, the cache, the product and the output gate: [B, L, Hq * D]
-    (eager: the cache offset moves every step). A decode step or a verify block on a GPU goes
-    through ``decode_attention`` (two launches where its kernels run), rows exact by
-    construction."""
+def attention_core(m, q, k, v, gate, mask, cache: RowsKVCache | GraphKV,
+                   mode: str = "auto") -> mx.array:  # fmt: skip
+    """The q/k norms, positions, the cache, the product and the output gate: [B, L, Hq * D].
+    A decode step or a verify block on a GPU goes through ``decode_attention`` (two launches
+    where its kernels run, rows exact by construction), reading the cache's whole buffers up
+    to its length on the device; elsewhere MLX's ops at the host's offset."""
     B, L = q.shape[:2]
-    rope, N = rows_rope(m, cache, L), cache.offset
+    rope = rows_rope(m, cache, L)
     if rope is not None:
-        keys, values = cache.keys[..., :N, :], cache.values[..., :N, :]  # [B, Hkv, N, D]
         o, k = decode_attention(q, k, v, gate, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps,
-                                keys, values, rope, m.scale, mode)  # fmt: skip
-        cache.update_and_fetch(k, v.transpose(0, 2, 1, 3))
+                                cache.keys, cache.values, rope, m.scale, mode,
+                                length=cache.length())  # fmt: skip
+        cache.write(k, v.transpose(0, 2, 1, 3))  # [B, Hkv, L, D] each
         return o
     q, k = m.q_norm(q), m.k_norm(k)
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [B, heads, L, D]
@@ -268,6 +272,13 @@ class Qwen35Target:
             fuse = options.ours and kernels.backend() != "cpu" and self.mode != "ops"
         self.fused_in, self.fused_mlp = self._fuse() if fuse else ({}, {})
         self.functions = LayerFunctions(options.compile)
+        # A decode step or verify block whose layer-by-layer pass settled every choice (kernel
+        # checks, row probes) and ran each attention layer on the native kernels then runs as
+        # one compiled graph of the whole decoder: one call to build where the layer-by-layer
+        # pass makes a hundred (on the H100 its Python was a third of a step's host time).
+        self._graphs: dict[bool, Callable] = {}  # verify -> the compiled whole forward
+        self._graph_ready: set[tuple[int, bool]] = set()  # (T, verify) seen settled
+        self._pass_native = True  # every attention layer of this pass took the native block
         # Routed (MoE) layers on a GPU are never batched in a verify: which rows share an
         # expert's product changes from block to block, so a probe can pass by luck and a later
         # block differ. Nor are they compiled: on CUDA their compiled functions differ from the
@@ -318,7 +329,7 @@ class Qwen35Target:
         return self.text.model.embed_tokens
 
     def make_cache(self) -> list:
-        return [ArraysCache(size=2) if layer.is_linear else KVCache() for layer in self.layers]
+        return [ArraysCache(size=2) if layer.is_linear else RowsKVCache() for layer in self.layers]
 
     def lm_head(self, hidden: mx.array, exact: bool = False) -> mx.array:
         """Logits [B, T, V] from final-normed hidden states [B, T, H]; ``exact`` as in a verify."""
@@ -395,8 +406,11 @@ class Qwen35Target:
         sig = policy.signature(layer)
         pre, post = self._fn("pre", i, compiled=compiled), self._fn("post", i, compiled=compiled)
         q, k, v, gate = policy.rows(pre, (h,), verify, (sig, "pre"), not self.unprobed[i])
-        if (not verify or T == 1 or mx.default_device() == mx.cpu
-                or rows_rope(m, cache, T) is not None):  # fmt: skip
+        rope = rows_rope(m, cache, T)
+        self._pass_native = self._pass_native and native_block(
+            q, k, cache.keys, m.q_norm.weight, m.q_norm.eps, rope, m.scale, self.mode
+        )
+        if not verify or T == 1 or mx.default_device() == mx.cpu or rope is not None:
             # MLX's CPU attention is row-invariant by construction (masked keys add exact zeros),
             # and so is decode_attention on a GPU (each row a decode step's arithmetic).
             o = attention_core(m, q, k, v, gate, mask, cache, self.mode)
@@ -417,7 +431,10 @@ class Qwen35Target:
         settles the kernels' self-checks outside any trace).
         """
         T = tokens.shape[1]
+        if (T, verify) in self._graph_ready and self._kv(cache)[0].filled:
+            return self._graph_forward(tokens, cache, verify)
         compiled = self.functions.begin(T)
+        self.policy.probed, self._pass_native = False, True
         h = self.embed_tokens(tokens)  # [B, T, H]
         kv = next((c for c, ly in zip(cache, self.layers, strict=True) if not ly.is_linear), None)
         mask = create_attention_mask(h, kv)  # unused where attention goes position by position
@@ -432,7 +449,60 @@ class Qwen35Target:
             if every and (i + 1) % every == 0:
                 mx.async_eval(h)
         self.functions.end(T)
+        if compiled and self._pass_native and not self.policy.probed and not any(
+            self.routed_on_gpu
+        ):  # fmt: skip
+            self._graph_ready.add((T, verify))
         return ForwardOut(self.text.model.norm(h), traces if verify else None)
+
+    def _graph_forward(self, tokens: mx.array, cache: list, verify: bool) -> ForwardOut:
+        """``forward`` as one compiled graph (see ``_graph_ready``): the caches' arrays and
+        the attention caches' length go in as arrays, their new arrays come out."""
+        T, kv = tokens.shape[1], self._kv(cache)
+        for c in kv:
+            c.reserve(T)  # a buffer grown inside would make a new graph each step
+        states = [(c[0], c[1]) if ly.is_linear else (c.keys, c.values)
+                  for c, ly in zip(cache, self.layers, strict=True)]  # fmt: skip
+        graph = self._graphs.get(verify)
+        if graph is None:
+            graph = self._graphs[verify] = mx.compile(
+                lambda tokens, length, states: self._forward_arrays(tokens, length, states, verify)
+            )
+        hidden, new, kept = graph(tokens, kv[0].length(), states)
+        traces, kept = [], iter(kept)
+        for c, ly, (a, b) in zip(cache, self.layers, new, strict=True):
+            if ly.is_linear:
+                c[0], c[1] = a, b
+                traces.append(GatedDeltaTrace(*next(kept)) if verify else None)
+            else:
+                c.keys, c.values = a, b
+                c.offset += T
+                traces.append(None)
+        return ForwardOut(hidden, traces if verify else None)
+
+    def _kv(self, cache: list) -> list[RowsKVCache]:
+        """The attention layers' caches (the family has at least one), which hold one length."""
+        return [c for c, ly in zip(cache, self.layers, strict=True) if not ly.is_linear]
+
+    def _forward_arrays(self, tokens: mx.array, length: mx.array, states: list, verify: bool):
+        """The decoder over tokens [B, T] on the caches' arrays (traced by ``_graph_forward``):
+        per layer (conv window, state) or (keys, values) buffers, and the attention caches'
+        rows as an int32 [1] ``length``. Returns the final-normed hidden states [B, T, H], each
+        layer's new arrays, and (``verify``) each gated-delta layer's (conv inputs, states)."""
+        h = self.embed_tokens(tokens)  # [B, T, H]
+        new, kept = [], []
+        for i, (layer, (a, b)) in enumerate(zip(self.layers, states, strict=True)):
+            if layer.is_linear:
+                c = [a, b]
+                h, trace = self._linear_layer(i, h, c, verify, compiled=False)
+                new.append((c[0], c[1]))
+                if verify:
+                    kept.append((trace.conv_input, trace.states))
+            else:
+                c = GraphKV(a, b, length)
+                h = self._attention_layer(i, h, None, c, verify, compiled=False)
+                new.append((c.keys, c.values))
+        return self.text.model.norm(h), new, kept
 
     def rollback(self, cache: list, traces: list, n_keep: int, block: int) -> None:
         rollback(cache, traces, n_keep, block)
@@ -454,7 +524,7 @@ class Qwen35Target:
         return mx.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
 
 
-def trim_kv(cache: KVCache, n: int) -> None:
+def trim_kv(cache: RowsKVCache, n: int) -> None:
     cache.trim(n)
 
 

@@ -1,0 +1,102 @@
+"""The whole decoder as one compiled graph (a GPU's path once every choice settled): the same
+tokens as the layer-by-layer path, classic and MTP, with the attention caches written at their
+length on the device. Run on the CPU with the backend reported as CUDA and the kernels'
+attention replaced by an ops version that, like the kernels, reads the length from an array."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mtpcli import kernels
+from mtpcli.engine.classic import generate_classic
+from mtpcli.engine.mtp import generate_mtp
+from mtpcli.loading import load_pair
+from mtpcli.models import kv_cache
+from mtpcli.models import qwen3_5 as tm
+
+PROMPTS = [[72, 101, 108, 108, 111], [(i * 37) % 250 for i in range(40)]]
+
+
+def length_attention(q, k, v, gate, q_norm, k_norm, eps, keys, values, rope, scale,
+                     mode="auto", length=None):  # fmt: skip
+    """``decode_attention``'s contract on the cache's buffers and their length (an int32 [1]
+    array), in MLX ops that never read the length back: position t attends the buffers' first
+    N rows and the block's first t + 1 keys (the rest masked)."""
+    B, T, Hq, D = q.shape
+    N = length[0]
+    q = mx.fast.rms_norm(q, q_norm, eps).transpose(0, 2, 1, 3)  # [B, Hq, T, D]
+    k = mx.fast.rms_norm(k, k_norm, eps).transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+    q, k = (mx.fast.rope(x, rope.dims, traditional=False, base=rope.base, scale=rope.scale,
+                         offset=N) for x in (q, k))  # fmt: skip
+    # T rows of room past the buffers (which need not have them: the cache grows after this)
+    keys, values = (mx.concatenate([a, mx.zeros((*a.shape[:2], T, D), a.dtype)], axis=2)
+                    for a in (keys, values))  # fmt: skip
+    keys = mx.slice_update(keys, k, length, axes=(2,))
+    values = mx.slice_update(values, v.transpose(0, 2, 1, 3), length, axes=(2,))
+    seen = mx.arange(keys.shape[2])[None] <= (N + mx.arange(T))[:, None]  # [T, capacity]
+    o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=seen)
+    o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # [B, T, Hq * D]
+    return o * mx.sigmoid(gate.reshape(B, T, -1)), k
+
+
+@pytest.fixture
+def gpu_paths(monkeypatch):
+    """The model's GPU choices on the CPU: the attention kernels' path (as above) for every
+    decode step and verify block, trusted as the native kernels are once checked."""
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(tm, "decode_attention", length_attention)
+    monkeypatch.setattr(tm, "native_block", lambda *a, **k: True)
+
+
+def _fresh(ckpts, **kw):
+    """A pair of its own (the session's cached pairs must not keep graphs traced here)."""
+    return load_pair(str(ckpts.target(**kw)), str(ckpts.drafter(**kw)))
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["bf16", "4bit"])
+def test_graph_tokens_equal_the_layer_by_layer_path(ckpts, gpu_paths, monkeypatch, bits):
+    loaded = _fresh(ckpts, bits=bits)
+    target = loaded.target
+    want = []
+    with monkeypatch.context() as m:  # layer by layer throughout: no pass counts as settled
+        m.setattr(tm, "native_block", lambda *a, **k: False)
+        for p in PROMPTS:
+            want.append(list(generate_classic(target, p, max_tokens=40)))
+    assert not target._graph_ready
+    for p, w in zip(PROMPTS, want, strict=True):
+        assert list(generate_classic(target, p, max_tokens=40)) == w
+        got = generate_mtp(target, loaded.drafter, p, block_size=3, max_tokens=40)
+        assert list(got) == w
+    assert {(1, False), (3, True)} <= target._graph_ready
+
+
+def test_a_graph_that_writes_the_cache_one_row_off_changes_the_tokens(ckpts, gpu_paths,
+                                                                      monkeypatch):  # fmt: skip
+    loaded = _fresh(ckpts)
+    want = [list(generate_classic(loaded.target, p, max_tokens=40)) for p in PROMPTS]
+    write = kv_cache.GraphKV.write
+
+    def off_by_one(self, keys, values):
+        self._length = self._length + 1
+        write(self, keys, values)
+
+    monkeypatch.setattr(kv_cache.GraphKV, "write", off_by_one)
+    fresh = _fresh(ckpts)
+    got = [list(generate_classic(fresh.target, p, max_tokens=40)) for p in PROMPTS]
+    assert got != want
+
+
+def test_buffers_grow_outside_the_graph(ckpts, gpu_paths):
+    """A generation past the buffers' first 256 rows grows them before a step, not in it."""
+    loaded = _fresh(ckpts)
+    prompt = [(i * 13) % 250 for i in range(250)]
+    classic = list(generate_classic(loaded.target, prompt, max_tokens=20))
+    mtp = list(generate_mtp(loaded.target, loaded.drafter, prompt, block_size=3, max_tokens=20))
+    assert mtp == classic and len(classic) == 20
+    cache = loaded.target.make_cache()
+    loaded.target.prefill(mx.array([prompt]), cache)
+    kv = next(c for c in cache if isinstance(c, kv_cache.RowsKVCache))
+    assert kv.keys.shape[2] == 256
+    kv.reserve(7)
+    assert kv.keys.shape[2] == 512 and kv.offset == 250
