@@ -128,7 +128,7 @@ def structure_of(backend: str) -> Iterator[None]:
             setattr(module, name, op)
 
 
-def _cache_arrays(cache: list) -> list[mx.array]:
+def all_cache_arrays(cache: list) -> list[mx.array]:
     """Every array a cache holds (a KV cache's whole buffers)."""
     out = []
     for c in cache:
@@ -148,7 +148,7 @@ def count_step(target: Target) -> Count:
     token = mx.array([[1]])
     for i in range(WARM + 1):
         y = greedy(target.lm_head(target.forward(token, cache).hidden)[0, -1])
-        outs = [y, *_cache_arrays(cache)]
+        outs = [y, *all_cache_arrays(cache)]
         if i == WARM:
             return graph(outs)
         mx.eval(outs)
@@ -173,14 +173,14 @@ def count_round(target: Target, drafter: Drafter, block_size: int = 3,
     for i in range(WARM + 1):
         parts = {}
         drafts, _ = draft(drafter, target, tokens, hidden, dcache, k, greedy_params)
-        parts["drafts"] = [drafts, *_cache_arrays(dcache)]
+        parts["drafts"] = [drafts, *all_cache_arrays(dcache)]
         counted = {"drafts": graph(parts["drafts"])} if i == WARM else {}
         mx.eval(parts["drafts"])
         block = mx.concatenate([mx.array([pending], drafts.dtype), drafts])[None]  # [1, k+1]
         out = target.forward(block, tcache, verify=True)
         verdict = greedy_verdict(positions(target.lm_head(out.hidden, exact=True)), drafts)
         traced = [a for t in out.traces if t is not None for a in (t.conv_input, t.states)]
-        parts["verify"] = [verdict, out.hidden, *traced, *_cache_arrays(tcache)]
+        parts["verify"] = [verdict, out.hidden, *traced, *all_cache_arrays(tcache)]
         if i == WARM:
             counted["verify"] = graph(parts["verify"])
         mx.eval(parts["verify"])
@@ -188,7 +188,7 @@ def count_round(target: Target, drafter: Drafter, block_size: int = 3,
         target.rollback(tcache, out.traces, accepted + 1, k + 1)
         tokens = mx.array([3] * (accepted + 1), mx.uint32)  # the emitted tokens [n_acc + 1]
         hidden = out.hidden[:, : accepted + 1]
-        parts["rollback"] = [*_cache_arrays(tcache), *_cache_arrays(dcache), hidden, tokens]
+        parts["rollback"] = [*all_cache_arrays(tcache), *all_cache_arrays(dcache), hidden, tokens]
         if i == WARM:
             counted["rollback"] = graph(parts["rollback"])
             counted["round"] = sum(counted.values(), Count())
