@@ -91,7 +91,7 @@ def read_prompts(path: Path) -> list[str]:
     except UnicodeDecodeError as e:
         raise PromptError(f"--prompts {path} is not UTF-8 text (byte {e.start})") from e
     texts = []
-    for line in text.splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if line.startswith('"'):
@@ -99,6 +99,13 @@ def read_prompts(path: Path) -> list[str]:
                 line = json.loads(line)
             except json.JSONDecodeError:
                 pass  # a prompt that merely starts with a quote
+            try:  # a JSON string can spell a lone surrogate, which no text can hold
+                line.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise PromptError(
+                    f"--prompts {path} line {number}: its JSON string decodes to a lone "
+                    f"surrogate (U+{ord(line[e.start]):04X}), which is not text"
+                ) from e
         texts.append(line)
     if not texts:
         raise UsageError(f"--prompts {path} holds no prompt")

@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -15,7 +16,9 @@ from typing import TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from .errors import Interrupted, MtpError, OutputError, PromptError, UsageError
 
@@ -25,7 +28,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Multi-token-prediction speculative decoding for Qwen3.5-family models on MLX.",
 )
-err = Console(stderr=True, highlight=False)
+# Markup off: paths, names and config values in messages print as they are, brackets included;
+# our own styles go in as ``style=``.
+err = Console(stderr=True, highlight=False, markup=False)
 state = {"debug": False, "stdin_closed": False}
 F = TypeVar("F", bound=Callable)
 
@@ -55,7 +60,7 @@ def _read_prompt(prompt: str | None) -> str:
     if state["stdin_closed"]:
         raise PromptError("no prompt: -p was not given and standard input is closed")
     if sys.stdin.isatty():
-        err.print("[dim]reading the prompt from stdin (end with Ctrl-D)[/dim]")
+        err.print("reading the prompt from stdin (end with Ctrl-D)", style="dim")
     raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
     if isinstance(raw, str):
         return raw
@@ -65,8 +70,27 @@ def _read_prompt(prompt: str | None) -> str:
         raise PromptError(f"the prompt on stdin is not valid UTF-8 (byte {e.start})") from e
 
 
+@contextlib.contextmanager
+def _stdout_errors() -> Iterator[None]:
+    """A standard output that cannot take the text (a full disk, a closed pipe) is a named
+    error; fd 1 then goes to /dev/null, so the interpreter's flush at exit fails no more."""
+    try:
+        yield
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        raise OutputError(f"cannot write to standard output: {e.strerror or e}") from e
+
+
+def _write(text: str) -> None:
+    """Text to stdout, flushed (so it streams)."""
+    with _stdout_errors():
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
 def _note(msg: str) -> None:
-    err.print(f"[dim]{msg}[/dim]", soft_wrap=True)
+    err.print(msg, style="dim", soft_wrap=True)
 
 
 def _print_stats(stats, draft_kind: str) -> None:
@@ -107,7 +131,7 @@ def _status(console: Console | None = None) -> Iterator[Callable[[str], None]]:
         yield lambda msg: None
         return
     with console.status("") as status:
-        yield lambda msg: status.update(f"[dim]{msg}[/dim]")
+        yield lambda msg: status.update(Text(msg, style="dim"))
 
 
 class PrefillBar:
@@ -147,7 +171,7 @@ def _load(model, draft_model, draft_kind, draft_block_size, draft_quantize, opti
     if model is None:
         target_dir, example_drafter = ensure_example()
         model, draft_model = str(target_dir), draft_model or str(example_drafter)
-        err.print(f"[yellow]{NOTE}[/yellow]")
+        err.print(NOTE, style="yellow")
     if draft_block_size is not None and draft_model is None:
         raise UsageError("--draft-block-size needs --draft-model (a qwen3_5_mtp drafter)")
     if draft_quantize is not None and draft_model is None:
@@ -224,12 +248,11 @@ def generate(
 
     def stream(segment: str) -> None:
         if not as_json:
-            sys.stdout.write(segment)
-            sys.stdout.flush()
+            _write(segment)
 
     def decided(decision) -> None:
         if verbose or not decision.engaged:
-            err.print(f"[dim]MTP gate: {decision.reason}[/dim]")
+            err.print(f"MTP gate: {decision.reason}", style="dim")
 
     result = run_generate(
         loaded, text, max_tokens=max_tokens, sampling=sampling, block_size=draft_block_size,
@@ -238,9 +261,9 @@ def generate(
         on_decision=decided, on_prefill=PrefillBar(),
     )  # fmt: skip
     if as_json:
-        sys.stdout.write(json.dumps(result.as_dict()) + "\n")
+        _write(json.dumps(result.as_dict()) + "\n")
     else:
-        sys.stdout.write("\n")
+        _write("\n")
         _print_stats(result.stats, loaded.draft_kind)
 
 
@@ -273,20 +296,25 @@ def serve(
         "auto", "--qmm", envvar="MTP_QMM", help="auto | mlx | ours, as for generate."
     ),  # fmt: skip
 ) -> None:
-    """Serve the target over an OpenAI-compatible HTTP API (needs the 'serve' extra)."""
+    """Serve the target over an OpenAI-compatible HTTP API.
+
+    Ctrl-C (exit 130) or SIGTERM (exit 0) stops it: a decoding request ends at its next token
+    with a last event (finish_reason "cancelled", then [DONE]), queued requests get a 503, and
+    the process exits within 5 seconds."""
     from .options import Options
-    from .serve import check_port, check_serve_extra
+    from .serve import check_port
     from .serve import serve as run_server
 
-    check_serve_extra()
     check_port(host, port)  # before minutes of loading
     loaded = _load(model, draft_model, draft_kind, draft_block_size, draft_quantize,
                    Options(kernels=kernels, qmm=qmm))  # fmt: skip
-    run_server(
+    stopped_by = run_server(
         loaded, model_name or model or "example", host=host, port=port,
         block_size=draft_block_size, force_mtp=draft_kind == "mtp",
         default_max_tokens=max_tokens, note=_note,
     )  # fmt: skip
+    if stopped_by == signal.SIGINT:
+        raise Interrupted("interrupted")
 
 
 @app.command("inspect-weights")
@@ -301,7 +329,7 @@ def inspect_weights(
 
     info = describe(resolve_path(path, "checkpoint"))
     if as_json:
-        sys.stdout.write(json.dumps(info) + "\n")
+        _write(json.dumps(info) + "\n")
         return
     table = Table(title=f"mtp inspect-weights {path}", show_header=False)
     for key in ("model_type", "layout", "dtypes", "quantization", "tensor_count", "total_bytes",
@@ -309,15 +337,16 @@ def inspect_weights(
         table.add_row(key, str(info[key]))
     table.add_row("mtp tensors", "\n".join(info["mtp_tensors"]) or "-")
     table.add_row("+1.0 norm shift", "\n".join(info["norm_shift"]) or "-")
-    ok = "[green]yes[/green]" if info["drafter_ok"] else "[red]no[/red]"
-    table.add_row("usable as --draft-model", f"{ok}: {info['reason']}")
+    ok = Text("yes", style="green") if info["drafter_ok"] else Text("no", style="red")
+    table.add_row("usable as --draft-model", Text.assemble(ok, f": {info['reason']}"))
     if info["mtp_claim_unbacked"]:
         table.add_row(
             "note",
             f"config says mtp_num_hidden_layers={info['config_mtp_layers']}, but the weights "
             "hold no MTP tensors",
         )
-    Console().print(table)
+    with _stdout_errors():
+        Console(markup=False).print(table)
 
 
 @app.command("extract-drafter")
@@ -399,17 +428,20 @@ def bench(
 
     from . import bench as B
     from .example import NOTE
+    from .files import why, writable_dir
     from .options import Options
 
     options = Options(kernels=kernels, qmm=qmm)
+    if out is not None:
+        writable_dir(out)  # before the run, whose results would otherwise be lost
     if model is None and not synthetic:
-        err.print(f"[yellow]{NOTE}[/yellow]")
+        err.print(NOTE, style="yellow")
     t0 = time.perf_counter()
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("bench", total=None)
 
         def progress(msg: str) -> None:
-            bar.update(task, description=msg)
+            bar.update(task, description=escape(msg))  # the column reads it as markup
             if not err.is_terminal:  # logs of long runs show how far they got
                 err.print(f"[{time.perf_counter() - t0:7.1f}s] {msg}")
 
@@ -423,19 +455,22 @@ def bench(
         )  # fmt: skip
     markdown = B.markdown(doc)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        (out / f"bench-{stamp}.json").write_text(json.dumps(doc, indent=1))
-        (out / f"bench-{stamp}.md").write_text(markdown)
+        try:
+            (out / f"bench-{stamp}.json").write_text(json.dumps(doc, indent=1))
+            (out / f"bench-{stamp}.md").write_text(markdown)
+        except OSError as e:
+            raise OutputError(f"cannot write the results under {out}: {why(e)}") from e
         err.print(f"wrote {out}/bench-{stamp}.md and .json")
     if as_json:
-        sys.stdout.write(json.dumps(doc) + "\n")
+        _write(json.dumps(doc) + "\n")
     elif sys.stdout.isatty():
         from rich.markdown import Markdown
 
-        Console().print(Markdown(markdown))
+        with _stdout_errors():
+            Console().print(Markdown(markdown))
     else:  # to a file or a pipe: the report itself (Rich would cut its tables at 80 columns)
-        sys.stdout.write(markdown)
+        _write(markdown)
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -449,11 +484,16 @@ def run(argv: list[str] | None = None) -> int:
     except MtpError as e:
         if state["debug"]:
             raise
-        err.print(f"[bold red]error:[/bold red] {e}", soft_wrap=True)
+        _error(str(e))
         return e.exit_code
     except KeyboardInterrupt:  # outside a command: while parsing or importing
-        err.print("[bold red]error:[/bold red] interrupted")
+        _error("interrupted")
         return 130
+
+
+def _error(message: str) -> None:
+    """One red ``error:`` line on stderr; the message printed as it is (never as markup)."""
+    err.print(Text.assemble(("error:", "bold red"), " ", message), soft_wrap=True)
 
 
 def _is_open(fd: int) -> bool:
@@ -484,7 +524,7 @@ def main() -> None:
     try:
         _guard_std_streams()
     except OutputError as e:
-        err.print(f"[bold red]error:[/bold red] {e}", soft_wrap=True)
+        _error(str(e))
         sys.exit(e.exit_code)
     sys.exit(run())
 

@@ -87,6 +87,21 @@ def check_output_dir(out: Path) -> Path:
     return out
 
 
+def writable_dir(out: Path) -> Path:
+    """``out`` as a directory results can be written to, made with its parents and shown
+    writable by writing there, before any work whose results would otherwise be lost."""
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out} exists and is not a directory; give a directory for the results")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".mtp-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OutputError(f"cannot write the results under {out}: {why(e)}") from e
+    return out
+
+
 @contextlib.contextmanager
 def written_dir(out: Path) -> Iterator[Path]:
     """Write a directory all at once: yields a temporary sibling, renamed to ``out`` only when

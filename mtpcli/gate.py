@@ -22,7 +22,9 @@ import fcntl
 import json
 import os
 import platform
+import stat
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -192,11 +194,13 @@ def calibrate(
 
 
 MAX_MS = 1e5  # a step or round of 100 s is no measurement of a model we run
+MIN_MS = 1e-3  # nor one of a microsecond: a launch alone costs more
+LOCK_WAIT_S = 10.0  # how long a write waits for another run's lock before giving up
 MAX_STORE_BYTES = 4 << 20
 
 
 def _ms(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= MAX_MS
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and MIN_MS <= v <= MAX_MS
 
 
 def _valid_calibration(c) -> bool:
@@ -207,7 +211,10 @@ def _valid_calibration(c) -> bool:
         _ms(c.get("step_ms"))
         and isinstance(rounds, dict)
         and bool(rounds)
-        and all(b.isdigit() and 2 <= int(b) <= 16 and _ms(v) for b, v in rounds.items())
+        # ASCII digits only: "²".isdigit() is true, and int() refuses it
+        and all(
+            b.isascii() and b.isdigit() and 2 <= int(b) <= 16 and _ms(v) for b, v in rounds.items()
+        )
     )
 
 
@@ -291,8 +298,7 @@ class GateStore:
         tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            with _locked(self.path.with_name(self.path.name + ".lock")):
                 self.data = self._read()  # what other runs wrote since we read it
                 change(self.data)
                 fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".gate-")
@@ -300,13 +306,42 @@ class GateStore:
                     json.dump(self.data, f, indent=1)
                 os.replace(tmp, self.path)
                 tmp = None
-        except OSError as e:
+        except (OSError, LockError) as e:
             change(self.data)  # this run still uses it; the next one measures again
-            self._note(f"not written ({e.strerror or e}); the next run measures again")
+            self._note(f"not written ({getattr(e, 'strerror', None) or e}); "
+                       "the next run measures again")  # fmt: skip
         finally:
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+
+
+class LockError(Exception):
+    """The cache's lock file could not be taken (it is no regular file, or another run held it
+    past ``LOCK_WAIT_S``)."""
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold an exclusive lock on ``path`` (a regular file, made if absent). Opened without
+    blocking, so a FIFO there cannot hang the run, and waited for at most ``LOCK_WAIT_S``."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW, 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise LockError(f"its lock {path} is not a regular file")
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise LockError(f"its lock {path} was held for over {LOCK_WAIT_S:g} s") \
+                        from None  # fmt: skip
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
 
 
 def store() -> GateStore:

@@ -23,13 +23,15 @@ from typing import Any
 
 from .engine import check_room
 from .engine.run import GenerateResult, generate
-from .engine.sampling import SamplingParams
+from .engine.sampling import MAX_TEMP, MIN_TEMP, SamplingParams
 from .errors import ContextTooLongError, MtpError, ServeError, UsageError
 from .loading import Loaded
 from .tokenizer import encode_messages, encode_prompt
 
 MAX_STOPS = 4  # as OpenAI's API
 MAX_BODY_BYTES = 8 << 20
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request looks for its client
+STOP_BOUND_S = 5.0  # Ctrl-C or SIGTERM: running streams ended and the process gone within this
 
 
 class BadRequest(Exception):
@@ -59,6 +61,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
+    next_poll: float = 0.0  # monotonic time at which the handler next looks for its client
 
     def put(self, kind: str, value: Any = None) -> None:
         """From the decoding thread: hand an event to the handler's event loop."""
@@ -76,21 +79,40 @@ class Decoder:
         self.busy = False
         self.served = 0
         self.cancelled = 0
+        self.stopping = False
+        self.current: Job | None = None
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
 
     def run(self, keep_going: Callable[[], bool]) -> None:
-        while keep_going():
+        while keep_going() and not self.stopping:
             try:
                 job = self.jobs.get(timeout=0.1)
             except queue.Empty:
                 continue
-            self.busy = True
+            self.busy, self.current = True, job
             try:
                 self.decode(job)
             finally:
-                self.busy = False
+                self.busy, self.current = False, None
+
+    def stop(self) -> None:
+        """Stop taking jobs; the one decoding ends at its next token (from a signal handler)."""
+        self.stopping = True
+        if self.current is not None:
+            self.current.cancel.set()
+
+    def refuse_queued(self) -> None:
+        """Answer every job still queued with a 503 (the server is stopping)."""
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            job.put("error", BadRequest(503, "the server is shutting down; send the request "
+                                        "again once it is back", kind="server_error",
+                                        code="server_shutting_down"))  # fmt: skip
 
     def decode(self, job: Job) -> None:
         if job.cancel.is_set():  # the client left while the job waited
@@ -134,6 +156,33 @@ def _number(body: dict, name: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise BadRequest(400, f"'{name}' must be a number, got {value!r}", name)
     return float(value)
+
+
+def _sampling(body: dict) -> SamplingParams:
+    """temperature, top_p, top_k and min_p, each checked here so a refusal names its field."""
+    temp = _number(body, "temperature", 0.0)
+    if not (temp == 0 or MIN_TEMP <= temp <= MAX_TEMP):
+        raise BadRequest(400, f"'temperature' must be 0 (greedy) or in [{MIN_TEMP:g}, "
+                         f"{MAX_TEMP:g}], got {temp!r}", "temperature")  # fmt: skip
+    top_p, min_p = _number(body, "top_p", 1.0), _number(body, "min_p", 0.0)
+    if not 0 < top_p <= 1:
+        raise BadRequest(400, f"'top_p' must be in (0, 1], got {top_p!r}", "top_p")
+    if not 0 <= min_p <= 1:
+        raise BadRequest(400, f"'min_p' must be in [0, 1], got {min_p!r}", "min_p")
+    top_k = _int(body, "top_k", 0, 0, 2**31 - 1)
+    return SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+
+
+def _stream_fields(body: dict) -> None:
+    """``stream`` a boolean and ``stream_options`` an object whose include_usage is one."""
+    if body.get("stream") not in (None, True, False):
+        raise BadRequest(400, f"'stream' must be true or false, got {body['stream']!r}", "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if not isinstance(options, dict) or options.get("include_usage") not in (None, True, False):
+        raise BadRequest(400, "'stream_options' must be an object such as "
+                         '{"include_usage": true}', "stream_options")  # fmt: skip
 
 
 def _stops(body: dict) -> list[str]:
@@ -239,6 +288,8 @@ class Server:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest(400, f"the request body is not valid JSON: {e}") from e
+        except RecursionError as e:
+            raise BadRequest(400, "the request body is JSON nested too deeply") from e
         if not isinstance(body, dict):
             raise BadRequest(400, "the request body must be a JSON object")
         return body
@@ -257,12 +308,9 @@ class Server:
         limit = self.decoder.loaded.target.config.text.max_position_embeddings
         max_tokens = _int(body, "max_completion_tokens", None, 1, limit)
         max_tokens = max_tokens or _int(body, "max_tokens", self.default_max_tokens, 1, limit)
-        try:
-            sampling = SamplingParams(temp=_number(body, "temperature", 0.0),
-                                      top_p=_number(body, "top_p", 1.0))  # fmt: skip
-        except MtpError as e:
-            raise BadRequest(400, str(e), "temperature") from e
+        sampling = _sampling(body)
         seed, stop = _int(body, "seed", None, 0, 2**63 - 1), _stops(body)
+        _stream_fields(body)
         tokenizer = self.decoder.loaded.tokenizer
         if chat:
             messages = _messages(body)
@@ -297,19 +345,27 @@ class Server:
             return JSONResponse(e.body(), status_code=e.status)
         self.decoder.submit(job)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        # The first event before any answer: a job refused while queued (the server stopping)
+        # gets its status, streamed or not.
+        first = await self._next(request, job)
+        if first is None:
+            return JSONResponse({}, status_code=499)  # the client left; nobody reads this
+        if first[0] == "error":
+            return JSONResponse(first[1].body(), status_code=first[1].status)
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(self._stream(job, rid, chat, usage),
+            return StreamingResponse(self._stream(job, first, rid, chat, usage),
                                      media_type="text/event-stream")  # fmt: skip
-        text = []
+        event = first
         while True:
-            kind, value = await job.events.get()
-            if kind == "text":
-                text.append(value)
-            elif kind == "error":
+            kind, value = event
+            if kind == "error":
                 return JSONResponse(value.body(), status_code=value.status)
-            else:
+            if kind == "done":
                 break
+            event = await self._next(request, job)
+            if event is None:
+                return JSONResponse({}, status_code=499)
         result: GenerateResult = value
         choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
         if chat:
@@ -320,11 +376,28 @@ class Server:
             "choices": [choice], "usage": _usage(job, result), "mtp": _mtp(result),
         })  # fmt: skip
 
+    @staticmethod
+    async def _next(request, job: Job) -> tuple[str, Any] | None:
+        """The job's next event; None once its client has gone (its decoding then cancelled,
+        within one poll and one token). The client is looked for every poll, also while
+        events keep coming (a fast decoder never lets a wait time out)."""
+        while True:
+            if time.monotonic() >= job.next_poll:
+                job.next_poll = time.monotonic() + DISCONNECT_POLL_S
+                if await request.is_disconnected():
+                    job.cancel.set()
+                    return None
+            try:
+                return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                job.next_poll = 0.0
+
     def _envelope(self, rid: str, chat: bool, chunk: bool) -> dict:
         kind = "chat.completion" + (".chunk" if chunk else "") if chat else "text_completion"
         return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_id}
 
-    async def _stream(self, job: Job, rid: str, chat: bool, usage: bool) -> AsyncIterator[str]:
+    async def _stream(self, job: Job, first: tuple[str, Any], rid: str, chat: bool,
+                      usage: bool) -> AsyncIterator[str]:  # fmt: skip
         def chunk(text: str | None, finish: str | None = None, delta: dict | None = None,
                   **extra) -> str:  # fmt: skip
             if chat:
@@ -339,8 +412,10 @@ class Server:
         try:
             if chat:
                 yield chunk(None, delta={"role": "assistant"})
+            event = first
             while True:
-                kind, value = await job.events.get()
+                kind, value = event if event is not None else await job.events.get()
+                event = None
                 if kind == "text":
                     yield chunk(value)
                 elif kind == "error":
@@ -398,30 +473,21 @@ def check_port(host: str, port: int) -> None:
             ) from e
 
 
-def check_serve_extra() -> None:
-    """Refuse to start without the ASGI stack, naming the extra that brings it."""
-    import importlib.util
-
-    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ServeError(
-            f"mtp serve needs {' and '.join(missing)}: pip install 'mtp[serve]' (or "
-            "pip install starlette uvicorn)"
-        )
-
-
 def serve(loaded: Loaded, model_id: str, *, host: str = "127.0.0.1", port: int = 8080,
           block_size: int | None = None, force_mtp: bool = False, default_max_tokens: int = 256,
-          note: Callable[[str], None] = lambda msg: None) -> None:  # fmt: skip
-    """Serve ``loaded`` until Ctrl-C (returns then) or the HTTP server stops."""
-    check_serve_extra()
+          note: Callable[[str], None] = lambda msg: None) -> int | None:  # fmt: skip
+    """Serve ``loaded`` until Ctrl-C, SIGTERM or the HTTP server stops. Returns the signal
+    that stopped it (None otherwise), once the decoding request has ended with a last event,
+    the queued ones got a 503 and the HTTP side closed (within ``STOP_BOUND_S``)."""
     import uvicorn
 
     check_port(host, port)
     decoder = Decoder(loaded, block_size, force_mtp, note)
     app = Server(decoder, model_id, default_max_tokens).app()
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           lifespan="off"))  # fmt: skip
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=host, port=port, log_level="warning", lifespan="off",
+        timeout_graceful_shutdown=max(int(STOP_BOUND_S) - 1, 1),
+    ))  # fmt: skip
     http = threading.Thread(target=server.run, name="mtp-serve-http", daemon=True)
     http.start()
     while not server.started and http.is_alive():
@@ -429,19 +495,24 @@ def serve(loaded: Loaded, model_id: str, *, host: str = "127.0.0.1", port: int =
     if not server.started:
         raise ServeError(f"the HTTP server could not start on {host}:{port}")
     note(f"serving {model_id} on http://{host}:{port}/v1 (OpenAI-compatible; GET /health)")
+    stopped_by: list[int] = []
+
+    def on_signal(signum, frame) -> None:
+        stopped_by.append(signum)
+        decoder.stop()
+
+    handled = (signal.SIGINT, signal.SIGTERM)
     on_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
+    previous = {sig: signal.signal(sig, on_signal) for sig in handled} if on_main else {}
     try:
         decoder.run(keep_going=http.is_alive)
-    except KeyboardInterrupt:
-        note("stopping")
     finally:
+        if stopped_by:
+            note("stopping")
+        decoder.refuse_queued()
+        deadline = time.monotonic() + STOP_BOUND_S
         server.should_exit = True
-        http.join(timeout=5)
-        if on_main:
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _interrupt(signum, frame) -> None:
-    """SIGTERM (a service manager's stop) ends the server as Ctrl-C does."""
-    raise KeyboardInterrupt
+        http.join(timeout=max(deadline - time.monotonic(), 0.1))
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return stopped_by[0] if stopped_by else None

@@ -198,6 +198,43 @@ def _bad_prompts(ctx):
     (ctx.root / "prompts.txt").write_bytes(b"def f(\xff\xfe):\n")
 
 
+def _model_type(value: str):
+    def setup(ctx):
+        _edit_json(ctx.t / "config.json", lambda c: c.update(model_type=value))
+
+    return setup
+
+
+def _lone_surrogate(ctx):
+    (ctx.root / "prompts.txt").write_text('"\\ud800"\n')
+
+
+def _lock_fifo(ctx):
+    ctx.cache.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(ctx.cache / "gate.json.lock")
+
+
+def _rename_rounds(fn):
+    def change(data):
+        for entry in data["calibrations"].values():
+            entry["round_ms"] = {fn(b): v for b, v in entry["round_ms"].items()}
+
+    return change
+
+
+def _nan_after_the_prompt(ctx):
+    """Every embedding row but the prompt's NaN: the first logits are finite (the prompt's
+    rows), the next step's are not (an untied head: the first check cannot see it)."""
+    f = ctx.t / "model.safetensors"
+    w = mx.load(str(f))
+    name = "language_model.model.embed_tokens.weight"
+    keep = mx.zeros((w[name].shape[0], 1), mx.bool_)
+    keep[mx.array(list(b"hi"))] = True  # the byte tokenizer's ids of the prompt
+    w[name] = mx.where(keep, w[name], mx.array(float("nan"), w[name].dtype))
+    f.unlink()
+    mx.save_safetensors(str(f), w)
+
+
 # --- checks ----------------------------------------------------------------------------------
 
 
@@ -298,6 +335,22 @@ CASES = [
     Case("inspect-standalone-drafter", ("inspect-weights", "{d}", "--json"), 0, r"", "inventory.describe", check=_inspect(15, "standalone")),  # noqa: E501
     Case("inspect-quantized-drafter", ("inspect-weights", "{dq}", "--json"), 0, r"", "inventory.describe", check=_inspect(31, "standalone", r"31 tensors .* the head's 15 tensors, 8 of them quantized and stored as weight, scales and biases")),  # noqa: E501
     Case("inspect-raw", ("inspect-weights", "{raw}", "--json"), 0, r"", "inventory.describe", check=_inspect(15, "raw")),  # noqa: E501
+    # Text from users and files is printed as it is, never read as markup.
+    Case("markup-in-model-path", ("generate", "-m", "{tmp}/nope[/]", "-p", "hi"), 1, r"nope\[/\] does not exist", "cli._error (markup off)"),  # noqa: E501
+    Case("markup-tag-in-model-path", ("generate", "-m", "{tmp}/x[bold]y", "-p", "hi"), 1, r"x\[bold\]y does not exist", "cli._error (markup off)"),  # noqa: E501
+    Case("markup-in-draft-kind", (*GEN, "--draft-kind", "[/red]"), 2, r"\[/red\]", "cli._error (markup off)"),  # noqa: E501
+    Case("markup-in-model-type", GEN, 1, r"\[/\]", "cli._error (markup off)", setup=_model_type("[/]")),  # noqa: E501
+    # Where the output goes: a full disk, a file or /proc as bench's directory.
+    Case("stdout-full", GEN, 1, r"cannot write to standard output: No space left", "cli._stdout_errors", shell="{cmd} > /dev/full"),  # noqa: E501
+    Case("stdout-full-json", (*GEN, "--json"), 1, r"cannot write to standard output: No space left", "cli._stdout_errors", shell="{cmd} > /dev/full"),  # noqa: E501
+    Case("bench-out-is-file", ("bench", "--out", "{t}/config.json"), 1, r"exists and is not a directory", "files.writable_dir, before the run"),  # noqa: E501
+    Case("bench-out-under-proc", ("bench", "--out", "/proc/mtp-bench"), 1, r"cannot write the results under /proc/mtp-bench", "files.writable_dir, before the run"),  # noqa: E501
+    Case("bench-prompts-lone-surrogate", ("bench", "--prompts", "{tmp}/prompts.txt", "--repeats", "1"), 1, r"line 1: its JSON string decodes to a lone surrogate \(U\+D800\)", "bench.read_prompts", setup=_lone_surrogate),  # noqa: E501
+    Case("weights-nan-after-the-prompt", ("generate", "-m", "{t}", "-p", "hi", "-n", "4", "--ignore-chat-template"), 1, r"logits at generated token 1 are not finite", "sampling.check_finite", setup=_nan_after_the_prompt),  # noqa: E501
+    Case("weights-nan-after-the-prompt-mtp", ("generate", "-m", "{t}", "--draft-model", "{d}", "--draft-kind", "mtp", "-p", "hi", "-n", "4", "--ignore-chat-template"), 1, r"logits at generated token 1 are not finite", "sampling.accept: check_finite", setup=_nan_after_the_prompt),  # noqa: E501
+    Case("gate-lock-fifo", PAIR, 0, r"gate cache .* not written \(its lock .* is not a regular file\)", "gate._locked", setup=_lock_fifo, shell="{cmd}"),  # noqa: E501
+    Case("gate-round-key-superscript", PAIR, 0, r"dropped 1 invalid calibrations", "gate._valid_calibration: ASCII digits", setup=_gate_cache(_rename_rounds(lambda b: "\u00b2" if b == "2" else b)), check=_recalibrated),  # noqa: E501
+    Case("gate-round-ms-tiny", PAIR, 0, r"dropped 1 invalid calibrations", "gate.MIN_MS", setup=_gate_cache(_every("calibrations", "round_ms", 1e-300)), check=_recalibrated),  # noqa: E501
 ]  # fmt: skip
 
 
@@ -358,8 +411,18 @@ def _in_a_process(case: Case, argv: list[str]) -> tuple[int, str, str]:
     if case.shell == "SIGINT":  # a real Ctrl-C once text is streaming
         p = subprocess.Popen([MTP, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert p.stdout.read(1)
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=60)
+        # Python runs its handler between bytecodes: one that lands in a finaliser is dropped
+        # ("Exception ignored"), so press again as a user would, a few times at most.
+        for _ in range(5):
+            p.send_signal(signal.SIGINT)
+            try:
+                out, err = p.communicate(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        else:
+            p.kill()
+            out, err = p.communicate()
         return p.returncode, out.decode(), err.decode()
     if case.shell == "BADARGV":  # bytes that are not UTF-8, as a shell passes them
         args = [MTP, *(a.encode() for a in argv)]

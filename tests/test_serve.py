@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -29,30 +31,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The built-in example served with MTP forced (so every request runs the MTP engine)."""
-    tmp = tmp_path_factory.mktemp("serve")
+def _start(tmp) -> tuple[subprocess.Popen, str]:
+    """The built-in example served with MTP forced (every request runs the MTP engine), up."""
     port = _free_port()
-    log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed below
+    log = open(tmp / "serve.log", "w")  # noqa: SIM115 - the process holds it
     env = dict(os.environ, MTP_CACHE_DIR=str(tmp / "cache"))
     argv = [sys.executable, "-m", "mtpcli", "serve", "--draft-kind", "mtp", "--port", str(port)]
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    log.close()
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
         assert proc.poll() is None, (tmp / "serve.log").read_text()
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
+                return proc, base
         except httpx.TransportError:
             time.sleep(0.2)
-    else:
-        pytest.fail("the server did not come up: " + (tmp / "serve.log").read_text())
+    proc.kill()
+    pytest.fail("the server did not come up: " + (tmp / "serve.log").read_text())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    proc, base = _start(tmp)
     yield base
-    proc.terminate()  # SIGTERM stops it as Ctrl-C does: cleanly, exit 0
+    proc.terminate()  # SIGTERM: stops cleanly, exit 0
     code = proc.wait(timeout=20)
-    log.close()
     assert code == 0 and "stopping" in (tmp / "serve.log").read_text()
 
 
@@ -152,6 +158,12 @@ def test_stop_strings_cut_the_text(server, reference, stream):
         ({"model": "example", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
         ({"model": "example", "prompt": "x " * 5000, "max_tokens": 8}, 400, "prompt"),
         ({"model": "example", "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": "example", "prompt": "x", "top_k": -1}, 400, "top_k"),
+        ({"model": "example", "prompt": "x", "min_p": 2}, 400, "min_p"),
+        ({"model": "example", "prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"model": "example", "prompt": "x", "stream_options": "yes"}, 400, "stream_options"),
+        ({"model": "example", "prompt": "x", "stream": "yes"}, 400, "stream"),
+        (b'{"model": "example", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
         ({"model": "example", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"model": "example", "prompt": "x", "n": 2}, 400, "n"),
         ({"model": "example", "prompt": ""}, 400, "prompt"),
@@ -285,3 +297,66 @@ def test_serve_refuses_a_port_in_use(capsys):
         code = run(["serve", "--port", str(s.getsockname()[1])])
     assert code == 1
     assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
+
+
+def test_top_k_and_min_p_are_honoured(server, reference):
+    """top_k 1 (or min_p 1) at temperature 1 leaves one token to sample: every seed gives the
+    greedy text."""
+    want = reference(PROMPTS[2], False, 12)["text"]
+    for seed in range(4):
+        for keep in ({"top_k": 1}, {"min_p": 1.0}):
+            body = {"model": "example", "prompt": PROMPTS[2], "max_tokens": 12,
+                    "temperature": 1.0, "seed": seed} | keep  # fmt: skip
+            r = httpx.post(f"{server}/v1/completions", json=body, timeout=120)
+            assert r.json()["choices"][0]["text"] == want, (seed, keep)
+
+
+def test_a_client_that_gives_up_on_a_plain_request_frees_the_decoder(server, reference):
+    before = httpx.get(f"{server}/health").json()["cancelled"]
+    body = {"model": "example", "prompt": PROMPTS[0], "max_tokens": 3000}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=1.5)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        health = httpx.get(f"{server}/health").json()
+        if health["cancelled"] > before and not health["decoding"]:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the abandoned request kept decoding: {health}")
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)],
+                         ids=["sigterm", "sigint"])  # fmt: skip
+def test_a_signal_ends_streams_answers_the_queue_and_exits(tmp_path, sig, code):
+    """A stream in flight ends with a last event (finish_reason, then [DONE]); a request still
+    queued gets a 503; the process exits with the signal's code within the bound."""
+    proc, base = _start(tmp_path)
+    body = {"model": "example", "prompt": PROMPTS[0], "max_tokens": 3000, "stream": True}
+    queued = {}
+
+    def later():
+        short = {"model": "example", "prompt": PROMPTS[1], "max_tokens": 8}
+        r = httpx.post(f"{base}/v1/completions", timeout=60, json=short)
+        queued["status"], queued["body"] = r.status_code, r.json()
+
+    try:
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line).startswith("data: {")
+            waiting = threading.Thread(target=later)
+            waiting.start()
+            while httpx.get(f"{base}/health").json()["queued"] == 0:
+                time.sleep(0.05)
+            t0 = time.time()
+            proc.send_signal(sig)
+            rest = [line for line in lines if line]
+        waiting.join(timeout=30)
+        assert proc.wait(timeout=30) == code
+        assert time.time() - t0 < 5 + 1  # serve.STOP_BOUND_S, and the test's own overhead
+    finally:
+        proc.kill()
+    assert rest[-1] == "data: [DONE]"
+    last = json.loads(rest[-2][len("data: ") :])
+    assert last["choices"][0]["finish_reason"] == "cancelled"
+    assert queued["status"] == 503 and queued["body"]["error"]["code"] == "server_shutting_down"

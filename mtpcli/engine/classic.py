@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from ..models import Target
 from . import GenerationStats, check_room, first_logits, prompt_array
-from .sampling import SamplingParams, pick
+from .sampling import SamplingParams, check_finite, pick, pick_checked
 
 
 def generate_classic(
@@ -31,7 +31,7 @@ def generate_classic(
     cache = target.make_cache()
     start = time.perf_counter()
     hidden = target.prefill(tokens, cache, on_prefill)
-    y = pick(first_logits(target, hidden), sampling)
+    y, lse = pick(first_logits(target, hidden), sampling), None  # first_logits checked these
     mx.eval(y)
     stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
     start = time.perf_counter()
@@ -41,9 +41,11 @@ def generate_classic(
             # Queue the next step before reading this token, so the device never waits on Python.
             if n + 1 < max_tokens:
                 out = target.forward(y.reshape(1, 1), cache)
-                y_next = pick(target.lm_head(out.hidden)[0, -1], sampling)
-                mx.async_eval(y_next)
+                y_next, lse_next = pick_checked(target.lm_head(out.hidden)[0, -1], sampling)
+                mx.async_eval(y_next, lse_next)
             token = int(y.item())
+            if lse is not None:
+                check_finite(lse, n)
             if token in eos:
                 return
             yield token
@@ -51,7 +53,7 @@ def generate_classic(
             stats.generation_tokens, stats.generation_s = n, time.perf_counter() - start
             if n >= max_tokens:
                 return
-            y = y_next
+            y, lse = y_next, lse_next
     finally:
         stats.generation_s = time.perf_counter() - start
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9

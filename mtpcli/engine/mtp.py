@@ -106,7 +106,7 @@ def generate_mtp(
             out = target.forward(block, tcache, verify=True)
             logits = positions(target.lm_head(out.hidden, exact=True))  # [k+1, V]
             t_built = time.perf_counter()  # the rest of the verify is the wait for the device
-            n_acc, nxt = accept(logits, drafts, q, sampling)
+            n_acc, nxt = accept(logits, drafts, q, sampling, n)
             drafter.trim(dcache, k - 1)
             draft_ids = drafts.tolist()  # computed by now: accept read the verify
             t2 = time.perf_counter()

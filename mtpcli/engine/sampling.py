@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from ..errors import SamplingError
+from ..errors import NonFiniteOutputError, SamplingError
 
 # Outside these the float32 distribution is numerically greedy or uniform, and at the edges
 # (subnormal or infinite temperatures) NaN: ask for 0 (greedy) instead of sampling garbage.
@@ -67,14 +68,39 @@ def greedy(logits: mx.array) -> mx.array:
     This is mlx-lm's greedy rule: in bf16 the subtraction can tie two logits, and the tie then
     goes to the lower id; matching it keeps our tokens equal to mlx-lm's.
     """
-    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+    return greedy_checked(logits)[0]
+
+
+def greedy_checked(logits: mx.array) -> tuple[mx.array, mx.array]:
+    """``greedy``'s ids [...] and the logsumexp it normalises by [..., 1], which is finite
+    exactly when no logit of the row is NaN or +Inf (``check_finite`` reads it)."""
+    lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.argmax(logits - lse, axis=-1), lse
 
 
 def pick(logits: mx.array, s: SamplingParams) -> mx.array:
     """One token id per row of logits [..., V]: greedy at temperature 0, else a sample."""
+    return pick_checked(logits, s)[0]
+
+
+def pick_checked(logits: mx.array, s: SamplingParams) -> tuple[mx.array, mx.array]:
+    """``pick`` and the logits' logsumexp [..., 1] for ``check_finite`` (at temperature 0 the
+    one greedy takes anyway, so the check adds no launch there)."""
     if s.greedy:
-        return greedy(logits)
-    return mx.random.categorical(mx.log(probs(logits, s)))
+        return greedy_checked(logits)
+    return (mx.random.categorical(mx.log(probs(logits, s))),
+            mx.logsumexp(logits, axis=-1, keepdims=True))  # fmt: skip
+
+
+def check_finite(lse: mx.array, position: int) -> None:
+    """Stop on a NaN or +Inf logit (``lse`` from ``pick_checked``, already computed): decoding
+    past one prints garbage with a clean exit. ``position`` counts generated tokens."""
+    if not all(math.isfinite(v) for v in lse.reshape(-1).tolist()):
+        raise NonFiniteOutputError(
+            f"the target's logits at generated token {position} are not finite (NaN or Inf): "
+            "its weights are damaged or were converted wrongly (an embedding row, a norm); "
+            "re-download or re-convert the checkpoint"
+        )
 
 
 def accept_greedy(drafts: list[int], targets: list[int]) -> int:
@@ -85,23 +111,31 @@ def accept_greedy(drafts: list[int], targets: list[int]) -> int:
     return n
 
 
-def greedy_verdict(logits: mx.array, drafts: mx.array) -> mx.array:
+def greedy_verdict(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
     """The target's tokens at the k+1 verified positions followed by the k drafts: [2k+1]
-    (one array, so the host reads a round's verdict in one wait)."""
-    return mx.concatenate([greedy(logits), drafts.astype(mx.uint32)])
+    (one array, so the host reads a round's verdict in one wait), and the positions'
+    logsumexps [k+1, 1] for ``check_finite``."""
+    tokens, lse = greedy_checked(logits)
+    return mx.concatenate([tokens, drafts.astype(mx.uint32)]), lse
 
 
 def accept(
-    logits: mx.array, drafts: mx.array, q: mx.array | None, s: SamplingParams
+    logits: mx.array, drafts: mx.array, q: mx.array | None, s: SamplingParams, position: int = 0
 ) -> tuple[int, int]:
     """One round's verdict from the target logits [k+1, V] and the drafts [k] (token ids):
-    (accepted drafts, next token)."""
+    (accepted drafts, next token). The positions whose tokens are emitted must have finite
+    logits, as classic decoding checks them (``position``: tokens generated before)."""
     if s.greedy:
-        both = greedy_verdict(logits, drafts).tolist()
+        verdict, lse = greedy_verdict(logits, drafts)
+        both = verdict.tolist()
         k = drafts.shape[0]
         n = accept_greedy(both[k + 1 :], both[: k + 1])
-        return n, both[n]
-    return accept_sampled(probs(logits, s), q, drafts)
+        out = n, both[n]
+    else:
+        lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+        out = accept_sampled(probs(logits, s), q, drafts)
+    check_finite(lse[: out[0] + 1], position)
+    return out
 
 
 def accept_sampled(p: mx.array, q: mx.array, drafts: mx.array) -> tuple[int, int]:
