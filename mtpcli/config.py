@@ -313,6 +313,9 @@ def load_config(model_dir: Path) -> ModelConfig:
             f"drafters: {', '.join(DRAFTER_TYPES)})"
         )
     text_d = d["text_config"] if nested else d
+    if nested and isinstance(text_d, dict) and "tie_word_embeddings" not in text_d:
+        # Published configs of untied models state it at the top level only.
+        text_d = text_d | {k: d[k] for k in ("tie_word_embeddings",) if k in d}
     text = TextConfig.from_dict(text_d, model_type)
     block_size = None
     if model_type in DRAFTER_TYPES:

@@ -28,6 +28,10 @@ class BadCheckpointError(MtpError):
     """The weight files are damaged, or their tensors do not match the config."""
 
 
+class LayoutError(BadCheckpointError):
+    """The files do not say, or contradict each other on, how the norm weights are stored."""
+
+
 class UnsupportedModelTypeError(MtpError):
     """A model_type this tool does not know."""
 

@@ -12,10 +12,12 @@ from .config import TARGET_TYPES, load_config, read_json_object
 from .drafters.qwen3_5_mtp import Qwen35MTP, check_quantize, quantize_drafter
 from .errors import BadCheckpointError, MtpError, OutputError, UsageError
 from .files import check_output_dir, written_dir
+from .layout import gather, stores_w_minus_1
 from .loading import check_drafter
 from .weights import (
     MTP_PREFIX,
     dequantize_fp8_blocks,
+    drafter_key,
     load_file,
     read_inventory,
     sanitize_drafter,
@@ -62,7 +64,11 @@ def extract_drafter(src: Path, out: Path, block_size: int | None = None,
             tensors.update({k: v for k, v in load_file(f).items() if k in wanted})
     if config.fp8_block:
         tensors = _dequantized(tensors, config.fp8_block)
-    tensors = sanitize_drafter(tensors)
+    # The head's norms get +1.0 only if the files show they hold w - 1: an MLX conversion that
+    # kept its mtp.* tensors stores them shifted already.
+    norms = {k: v for k, v in tensors.items() if drafter_key(k)[1] and v.ndim == 1}
+    shift = stores_w_minus_1(gather(src, inv, norms), f"the MTP head of {src}")
+    tensors = sanitize_drafter(tensors, shift)
     quantization = None
     if quantize is not None:
         module = Qwen35MTP(config)
@@ -75,9 +81,11 @@ def extract_drafter(src: Path, out: Path, block_size: int | None = None,
     raw = read_json_object(src / "config.json", "config.json")
     text = raw.get("text_config", {k: v for k, v in raw.items() if k != "model_type"})
     block = block_size or max(config.text.mtp_num_hidden_layers, 1) + 2
-    drafter_config = {"model_type": "qwen3_5_mtp", "block_size": block, "text_config": text}
+    tied = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)) is True
+    drafter_config = {"block_size": block, "model_type": "qwen3_5_mtp", "text_config": text,
+                      "tie_word_embeddings": tied}  # fmt: skip
     if quantization:
-        drafter_config["quantization"] = quantization
+        drafter_config["quantization"] = drafter_config["quantization_config"] = quantization
     # Written beside OUT and renamed into place only once it passes the drafter gate: a
     # failed check or a Ctrl-C leaves no half-written drafter behind.
     with written_dir(out) as tmp:

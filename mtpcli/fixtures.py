@@ -38,6 +38,114 @@ CHAT_TEMPLATE = (
 )
 
 
+def real_rope(head_dim: int, partial: float = 0.25) -> dict:
+    """The published Qwen3.5 rope settings, the M-RoPE sections scaled to the rotary width
+    (the real [11, 11, 10] for head_dim 256: they sum to the rotary pairs)."""
+    pairs = int(head_dim * partial) // 2
+    t, h = round(pairs * 11 / 32), round(pairs * 11 / 32)
+    return {"mrope_interleaved": True, "mrope_section": [t, h, pairs - t - h],
+            "rope_type": "default", "rope_theta": 10000000,
+            "partial_rotary_factor": partial}  # fmt: skip
+
+
+def full_text_config(text: dict) -> dict:
+    """``text`` with every field a published Qwen3.5 / 3.5-MoE ``text_config`` has (the
+    Qwen3.5-0.8B/27B and 35B-A3B configs, tests/reference/), those it lacks at their values."""
+    moe = bool(text.get("num_experts", 0))
+    n, every = text["num_hidden_layers"], text.get("full_attention_interval", 4)
+    out = {
+        "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True,
+        "dtype": "bfloat16", "full_attention_interval": every, "hidden_act": "silu",
+        "initializer_range": 0.02, "max_position_embeddings": 262144,
+        "layer_types": ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                        for i in range(n)],
+        "mlp_only_layers": [], "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
+        "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
+        "rms_norm_eps": 1e-6, "use_cache": True, "mamba_ssm_dtype": "float32",
+        "rope_parameters": real_rope(text["head_dim"]),
+        "eos_token_id": text["vocab_size"] - 1,  # byte_tokenizer(vocab_size)'s <|im_end|>
+    }  # fmt: skip
+    if moe:
+        out["router_aux_loss_coef"] = 0.001
+    return out | text
+
+
+def vision_config(text: dict) -> dict:
+    """A one-block vision tower's config with every field a published one has."""
+    moe = bool(text.get("num_experts", 0))
+    return {
+        "deepstack_visual_indexes": [], "depth": 1, "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 16, "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 32,
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5", "num_heads": 2,
+        "num_position_embeddings": 16, "out_hidden_size": text["hidden_size"], "patch_size": 2,
+        "spatial_merge_size": 2, "temporal_patch_size": 2,
+    }  # fmt: skip
+
+
+def full_config(text: dict) -> dict:
+    """A published Qwen3.5 ``config.json``'s top level around ``text`` (the special token ids
+    placed among the model's last ids, which the byte tokenizer never produces)."""
+    moe = bool(text.get("num_experts", 0))
+    text = full_text_config(text)
+    tied = text.pop("tie_word_embeddings", False)
+    if tied:  # as Qwen3.5-0.8B states it; the untied 27B and 35B-A3B at the top level only
+        text["tie_word_embeddings"] = True
+    v = text["vocab_size"]
+    return {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe
+                          else "Qwen3_5ForConditionalGeneration"],
+        "image_token_id": v - 5, "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+        "text_config": text, "tie_word_embeddings": tied,
+        "transformers_version": "4.57.0.dev0", "video_token_id": v - 4,
+        "vision_config": vision_config(text), "vision_end_token_id": v - 6,
+        "vision_start_token_id": v - 7,
+    }  # fmt: skip
+
+
+def vision_tensors(vision: dict, dtype=mx.bfloat16, seed: int = 5) -> dict[str, mx.array]:
+    """The vision tower's tensors as a raw checkpoint names and shapes them (``model.visual.*``,
+    the patch embedding a PyTorch Conv3d ``[out, C, T, kH, kW]``): our loaders drop them, but
+    a full-model loader needs every one."""
+    h, c, t, p = (vision[k] for k in ("hidden_size", "in_channels", "temporal_patch_size",
+                                      "patch_size"))  # fmt: skip
+    inner, merged = vision["intermediate_size"], h * vision["spatial_merge_size"] ** 2
+    shapes = {
+        "patch_embed.proj.weight": (h, c, t, p, p), "patch_embed.proj.bias": (h,),
+        "pos_embed.weight": (vision["num_position_embeddings"], h),
+        "merger.norm.weight": (h,), "merger.norm.bias": (h,),
+        "merger.linear_fc1.weight": (merged, merged), "merger.linear_fc1.bias": (merged,),
+        "merger.linear_fc2.weight": (vision["out_hidden_size"], merged),
+        "merger.linear_fc2.bias": (vision["out_hidden_size"],),
+    }  # fmt: skip
+    for i in range(vision["depth"]):
+        shapes |= {
+            f"blocks.{i}.norm1.weight": (h,), f"blocks.{i}.norm1.bias": (h,),
+            f"blocks.{i}.norm2.weight": (h,), f"blocks.{i}.norm2.bias": (h,),
+            f"blocks.{i}.attn.qkv.weight": (3 * h, h), f"blocks.{i}.attn.qkv.bias": (3 * h,),
+            f"blocks.{i}.attn.proj.weight": (h, h), f"blocks.{i}.attn.proj.bias": (h,),
+            f"blocks.{i}.mlp.linear_fc1.weight": (inner, h),
+            f"blocks.{i}.mlp.linear_fc1.bias": (inner,),
+            f"blocks.{i}.mlp.linear_fc2.weight": (h, inner),
+            f"blocks.{i}.mlp.linear_fc2.bias": (h,),
+        }  # fmt: skip
+    return {
+        f"model.visual.{k}": (0.02 * mx.random.normal(shape, key=mx.random.key(seed + i))).astype(
+            dtype
+        )
+        for i, (k, shape) in enumerate(sorted(shapes.items()))
+    }
+
+
+def mlx_vision_tensors(raw: dict[str, mx.array]) -> dict[str, mx.array]:
+    """``vision_tensors`` as mlx-community conversions store them: ``vision_tower.*``, the
+    patch embedding in MLX's Conv3d layout ``[out, T, kH, kW, C]``."""
+    out = {}
+    for k, v in raw.items():
+        k = "vision_tower." + k[len("model.visual.") :]
+        out[k] = v.transpose(0, 2, 3, 4, 1) if k.endswith("patch_embed.proj.weight") else v
+    return out
+
+
 def tiny_text_config(moe: bool = False, **overrides) -> dict:
     """A Qwen3.5-shaped text config small enough for a unit test."""
     cfg = {
@@ -62,22 +170,15 @@ def tiny_text_config(moe: bool = False, **overrides) -> dict:
         "attn_output_gate": True,
         "mtp_num_hidden_layers": 1,
         "eos_token_id": EOS_ID,
-        "rope_parameters": {
-            "rope_type": "default",
-            "mrope_section": [1, 1, 0],
-            "mrope_interleaved": True,
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.25,
-        },
+        "rope_parameters": real_rope(16),
     }
-    if moe:
+    if moe:  # a published MoE text_config has no dense intermediate_size
+        del cfg["intermediate_size"]
         cfg.update(
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=64,
             shared_expert_intermediate_size=64,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
         )
     cfg.update(overrides)
     return cfg
@@ -101,6 +202,27 @@ def _next_token_map(vocab: int, seed: int) -> list[int]:
     return [PRINTABLE[i] for i in rng.tolist()]
 
 
+def is_norm_or_dt_bias(name: str, value: mx.array) -> bool:
+    """A 1-D norm weight (``*norm*.weight``: layer, q/k, final, gated, pre-fc) or ``dt_bias``."""
+    parts = name.split(".")
+    return value.ndim == 1 and (
+        parts[-1] == "dt_bias" or (parts[-1] == "weight" and len(parts) > 1 and "norm" in parts[-2])
+    )
+
+
+def perturb_norms(module: nn.Module, seed: int) -> None:
+    """Every norm weight and ``dt_bias`` drawn around its initial 1 (trained ones sit away
+    from it), so that a norm applied twice, not at all or shifted wrongly changes the output."""
+    # Factors in [0.5, 1.5): a raw file's w - 1 of such a w is exact in bf16, so raw and MLX
+    # layouts of one model hold the same weights.
+    flat = {
+        k: v * mx.random.uniform(0.5, 1.5, v.shape, key=mx.random.key(seed * 7919 + i))
+        for i, (k, v) in enumerate(tree_flatten(module.parameters()))
+        if is_norm_or_dt_bias(k, v)
+    }
+    module.update(_unflatten(flat))
+
+
 def _scale(module: nn.Module, names: tuple[str, ...], factor: float) -> None:
     flat = {k: v * factor for k, v in tree_flatten(module.parameters()) if k.endswith(names)}
     module.update(_unflatten(flat))
@@ -121,6 +243,7 @@ def build_target(
     model_type = "qwen3_5_moe" if text.get("num_experts", 0) else "qwen3_5"
     mx.random.seed(seed)
     model = build_model(_model_config(model_type, text))
+    perturb_norms(model, seed)
     if predictable is not None:
         lm = model.language_model
         embed = lm.model.embed_tokens.weight  # [V, H]
@@ -144,6 +267,7 @@ def build_drafter(
     """A qwen3_5_mtp head; ``predictable`` makes it pass the input token's embedding through."""
     mx.random.seed(seed)
     module = Qwen35MTP(_model_config("qwen3_5_mtp", text, 3))
+    perturb_norms(module, seed)
     if predictable is not None:
         h = text["hidden_size"]
         module.fc.weight = mx.concatenate([mx.eye(h), mx.zeros((h, h))], axis=1)  # [H, 2H]
@@ -170,19 +294,22 @@ def _quantize(module: nn.Module, bits: int, group_size: int, moe: bool) -> dict:
     return block
 
 
-def _save(out: Path, tensors: dict[str, mx.array], shards: int) -> None:
+def _save(out: Path, tensors: dict[str, mx.array], shards: int, tag: str = "mlx") -> None:
+    """Safetensors files with the ``format`` tag their writer puts there: ``mlx`` for MLX
+    conversions, ``pt`` for transformers' raw checkpoints."""
     names = sorted(tensors)
     if shards <= 1:
-        mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
+        mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": tag})
         return
     per = math.ceil(len(names) / shards)
     weight_map = {}
     for i in range(shards):
         fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         part = {n: tensors[n] for n in names[i * per : (i + 1) * per]}
-        mx.save_safetensors(str(out / fname), part, metadata={"format": "mlx"})
+        mx.save_safetensors(str(out / fname), part, metadata={"format": tag})
         weight_map.update(dict.fromkeys(part, fname))
-    index = {"metadata": {}, "weight_map": weight_map}
+    total = sum(v.nbytes for v in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
 
@@ -276,6 +403,10 @@ def raw_mtp_tensors(drafter: nn.Module, moe: bool) -> dict[str, mx.array]:
     return out
 
 
+# The tensors a raw checkpoint stores in float32 whatever its dtype (Qwen3.5-0.8B's index).
+RAW_FLOAT32 = (".linear_attn.A_log", ".linear_attn.norm.weight")
+
+
 def write_target(
     out: Path,
     text: dict,
@@ -294,37 +425,46 @@ def write_target(
 ) -> Path:
     """Write a target checkpoint (with tokenizer) in ``layout``: mlx, flat or raw.
 
+    ``drafter``: the head a raw checkpoint stores as ``mtp.*`` (w - 1 norms; a random one if
+    None), or that an mlx conversion keeps as ``mtp.*`` (w norms; none if None).
     ``quantization``: the config block of a ``model`` that is already quantized."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     moe = bool(text.get("num_experts", 0))
-    model_type = "qwen3_5_moe" if moe else "qwen3_5"
     model = model or build_target(text, seed=seed, predictable=predictable, dtype=dtype)
-    config: dict = {"model_type": model_type, "eos_token_id": text.get("eos_token_id", EOS_ID)}
+    config = full_config(dict(text, eos_token_id=text.get("eos_token_id", EOS_ID)))
+    vision = vision_tensors(config["vision_config"], dtype)
     if layout == "raw":
         if bits:
             raise ValueError("raw Hugging Face checkpoints are not quantized")
         flat = _raw_target_names(dict(tree_flatten(model.parameters())), moe)
         flat.update(raw_mtp_tensors(drafter or build_drafter(text, dtype=dtype), moe))
-        flat["model.visual.patch_embed.proj.weight"] = mx.zeros((8, 3, 2, 2), dtype=dtype)
-        config.update(text_config=text, architectures=["Qwen3_5ForConditionalGeneration"])
+        flat.update(vision)
+        # As published: the recurrence's A_log and gated norm in float32, the rest in the
+        # checkpoint's dtype (MoE experts too, whatever the machine ran them in).
+        flat = {k: v.astype(mx.float32 if k.endswith(RAW_FLOAT32) else dtype)
+                for k, v in flat.items()}  # fmt: skip
+        tag = "pt"
     else:
         if bits:
             quantization = _quantize(model, bits, group_size, moe)
         if quantization:
             config["quantization"] = config["quantization_config"] = quantization
         flat = dict(tree_flatten(model.parameters()))
+        tag = "mlx"
         if layout == "mlx":
-            # A stand-in for the vision tower, in MLX's conv3d layout [out, T, kH, kW, C] as
-            # mlx-community conversions store it (the loaders drop it; mlx-vlm checks its rank).
-            flat["vision_tower.patch_embed.proj.weight"] = mx.zeros((8, 2, 2, 2, 3), dtype=dtype)
-            config.update(text_config=text, vision_config={"depth": 1})
+            flat.update(mlx_vision_tensors(vision))
+            if drafter is not None:  # a conversion that kept the head (mlx-vlm --mtp): w stored
+                flat.update({"mtp." + k: v for k, v in tree_flatten(drafter.parameters())})
         elif layout == "flat":
             flat = {k[len("language_model.") :]: v for k, v in flat.items()}
-            config.update({k: v for k, v in text.items() if k != "model_type"})
+            config = {"model_type": config["model_type"]} | {
+                k: v for k, v in config["text_config"].items() if k != "model_type"
+            } | ({"quantization": quantization, "quantization_config": quantization}
+                 if quantization else {})  # fmt: skip
         else:
             raise ValueError(f"unknown layout {layout!r}")
-    _save(out, flat, shards)
+    _save(out, flat, shards, tag)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     write_tokenizer(out, tokenizer)
     return out
@@ -346,9 +486,16 @@ def write_drafter(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     module = module or build_drafter(text, seed=seed, predictable=predictable, dtype=dtype)
-    config: dict = {"model_type": "qwen3_5_mtp", "block_size": block_size, "text_config": text}
+    text = full_text_config(text)
+    tied = text.pop("tie_word_embeddings", False)
+    if tied:
+        text["tie_word_embeddings"] = True
+    # As mlx-vlm's split writes one: the target's whole text_config (as its config states it).
+    config: dict = {"block_size": block_size, "model_type": "qwen3_5_mtp", "text_config": text,
+                    "tie_word_embeddings": tied}  # fmt: skip
     if bits:
-        config["quantization"] = _quantize(module, bits, group_size, bool(text.get("num_experts")))
+        q = _quantize(module, bits, group_size, bool(text.get("num_experts")))
+        config["quantization"] = config["quantization_config"] = q
     _save(out, dict(tree_flatten(module.parameters())), 1)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out

@@ -146,7 +146,7 @@ def check_drafter(drafter_dir: Path, target: ModelConfig | None = None) -> Model
             f"{drafter_dir} stores raw mtp.* tensor names; {SPLIT_HINT}"
         )
     module = Qwen35MTP(config)
-    weights = sanitize_drafter(_placeholders(inv))
+    weights = sanitize_drafter(_placeholders(inv), shift=False)  # no mtp.* names here
     quantize_like(module, config.quantization, weights)
     expected = {k: (v.shape, v.dtype) for k, v in tree_flatten(module.parameters())}
     check_inventory(expected, weights, f"drafter {drafter_dir}")

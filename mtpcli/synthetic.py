@@ -14,20 +14,20 @@ from mlx.utils import tree_flatten
 
 from .config import ModelConfig, TextConfig
 from .drafters.qwen3_5_mtp import Qwen35MTP, Qwen35MTPDrafter
+from .fixtures import full_text_config, is_norm_or_dt_bias
 from .models.qwen3_5 import Qwen35Target, build_model
 from .options import Options
 from .weights import cpu_expert_upcast
 
 SHAPES: dict[str, dict] = {
-    # Qwen3.8-27B (and Qwen3.5-27B): ../shared/reference/qwen3_5_mtp.md
+    # Qwen3.8-27B (and Qwen3.5-27B): ../shared/reference/qwen3_5_mtp.md. Every shape gets the
+    # published rope settings and the other config fields from fixtures.full_text_config.
     "qwen3.8-27b": {
         "hidden_size": 5120, "num_hidden_layers": 64, "intermediate_size": 17408,
         "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
         "rms_norm_eps": 1e-6, "vocab_size": 248320, "linear_num_value_heads": 48,
         "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
         "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
-                            "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]},
     },
     # A small dense member of the family (Qwen3.5-2B-like).
     "qwen3.5-small": {
@@ -41,13 +41,13 @@ SHAPES: dict[str, dict] = {
     # A 35B-A3B-like MoE member (256 experts, 8 routed + 1 shared per token; ~35B weights, ~3B
     # active): the hybrid layout of the family with sparse MLPs.
     "qwen3.5-35b-a3b": {
-        "hidden_size": 2048, "num_hidden_layers": 40, "intermediate_size": 512,
+        "hidden_size": 2048, "num_hidden_layers": 40,
         "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
         "rms_norm_eps": 1e-6, "vocab_size": 248320, "linear_num_value_heads": 32,
         "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
         "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
         "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+        "shared_expert_intermediate_size": 512,
     },
     # Small enough for a CPU smoke test, with the real head dimensions.
     "tiny": {
@@ -58,13 +58,13 @@ SHAPES: dict[str, dict] = {
         "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
     },
     "tiny-moe": {
-        "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 128,
+        "hidden_size": 256, "num_hidden_layers": 4,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 256,
         "rms_norm_eps": 1e-6, "vocab_size": 1024, "linear_num_value_heads": 4,
         "linear_num_key_heads": 2, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
         "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
-        "shared_expert_intermediate_size": 128, "norm_topk_prob": True,
+        "shared_expert_intermediate_size": 128,
     },
 }  # fmt: skip
 # The 27B shape's 64 layers (48 gated-delta, 16 attention) at "tiny"'s widths: the host's graph
@@ -82,6 +82,8 @@ def _randomize(module: nn.Module, bits: int | None, seed: int) -> None:
             new = mx.full(p.shape, 0.02 / 2 ** (bits or 4), dtype=mx.bfloat16)
         elif name.endswith("biases"):
             new = mx.full(p.shape, -0.01, dtype=mx.bfloat16)
+        elif is_norm_or_dt_bias(name, p):  # trained away from their initial 1
+            new = (p * mx.random.uniform(0.5, 1.5, p.shape, key=k)).astype(mx.bfloat16)
         elif p.ndim == 1 or name.endswith("A_log"):
             new = p.astype(mx.float32 if name.endswith("A_log") else mx.bfloat16)
         else:
@@ -101,8 +103,9 @@ def _set(module: nn.Module, dotted: str, value: mx.array) -> None:
 
 def _text(name: str) -> tuple[str, dict]:
     family = "qwen3_5_moe" if SHAPES[name].get("num_experts") else "qwen3_5"
-    # The real configs' context length, which loaders such as mlx-vlm's require.
-    return family, dict(SHAPES[name], model_type=f"{family}_text", max_position_embeddings=262144)
+    # Every field of a published config (the rope settings, the context length) around the
+    # shape: loaders such as mlx-vlm's and transformers' read them.
+    return family, full_text_config(SHAPES[name])
 
 
 def build(name: str, bits: int | None = 4, group_size: int = 64, seed: int = 0,
@@ -141,7 +144,6 @@ def write(name: str, root: Path, bits: int | None = 4, group_size: int = 64, see
 
     target, drafter = build(name, bits, group_size, seed)
     _, text = _text(name)
-    text["eos_token_id"] = text["vocab_size"] - 1  # <|im_end|>, the byte tokenizer's last id
     quant = {"group_size": group_size, "bits": bits, "mode": "affine"} if bits else None
     root = Path(root)
     if raw:

@@ -100,8 +100,22 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise BadCheckpointError(f"cannot read {path}: {e}") from e
 
 
+def read_format(path: Path) -> str | None:
+    """A safetensors file's ``format`` metadata tag (``pt`` from transformers, ``mlx`` from
+    MLX), None where it has none."""
+    real = _checked_file(path)
+    try:
+        with safe_open(str(real), framework="numpy") as f:
+            tag = (f.metadata() or {}).get("format")
+    except (SafetensorError, OSError) as e:
+        raise BadCheckpointError(f"{path} is not a valid safetensors file: {e}") from e
+    return tag if isinstance(tag, str) else None
+
+
 def read_inventory(model_dir: Path) -> dict[str, TensorInfo]:
-    """Every tensor of a checkpoint, from headers alone; duplicates and index drift refused."""
+    """Every tensor of a checkpoint, from headers alone; duplicates and index drift refused
+    (tensors the index lists but no file holds, or that a file holds but the index omits,
+    also in a ``*.safetensors`` file the index does not name)."""
     inv: dict[str, TensorInfo] = {}
     for f in weight_files(model_dir):
         for name, info in read_header(f).items():
@@ -118,6 +132,23 @@ def read_inventory(model_dir: Path) -> dict[str, TensorInfo]:
             raise BadCheckpointError(
                 f"{index} lists {len(missing)} tensors its files do not hold, e.g. {missing[0]}"
             )
+        unlisted = sorted(k for k in inv if k not in wmap)
+        if unlisted:
+            raise BadCheckpointError(
+                f"{inv[unlisted[0]].file} holds {len(unlisted)} tensor(s) that {INDEX_FILE} "
+                f"does not list, e.g. {unlisted[0]}: the index is out of date; add them to "
+                "its weight_map"
+            )
+        named = {f.name for f in weight_files(model_dir)}
+        for f in sorted(model_dir.glob("*.safetensors")):
+            if f.name in named:
+                continue
+            new = sorted(k for k in read_header(f) if k not in inv)
+            if new:
+                raise BadCheckpointError(
+                    f"{f} holds {len(new)} tensor(s), e.g. {new[0]}, but {INDEX_FILE} does not "
+                    f"name that file, so they would be ignored: add them to its weight_map"
+                )
     return inv
 
 
@@ -179,21 +210,24 @@ def drafter_key(name: str) -> tuple[str, bool]:
 
 
 def norm_shift_names(names) -> list[str]:
-    """The tensors that ``sanitize_drafter`` would shift by +1.0 (raw layout only)."""
+    """The ``mtp.*`` norms that ``sanitize_drafter`` shifts by +1.0 when the checkpoint
+    stores w - 1."""
     return sorted(n for n in names if drafter_key(n)[1])
 
 
-def sanitize_drafter(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Raw ``mtp.*`` tensors -> standalone drafter layout. Idempotent: a second pass is a no-op.
+def sanitize_drafter(weights: dict[str, mx.array], shift: bool) -> dict[str, mx.array]:
+    """``mtp.*`` tensors -> standalone drafter layout. Idempotent: a second pass is a no-op.
 
-    Non-``mtp.`` keys are taken as already standalone and are never shifted. MoE experts,
-    fused (``experts.gate_up_proj``) or one tensor per expert (``experts.{i}.gate_proj.weight``),
-    become mlx-lm's ``switch_mlp`` layout.
+    ``shift``: the checkpoint stores its norms as w - 1 (``layout.stores_w_minus_1`` decides
+    it from the files); then the ``mtp.*`` norms get +1.0. Names without ``mtp.`` are taken as
+    already standalone and are never shifted. MoE experts, fused (``experts.gate_up_proj``) or
+    one tensor per expert (``experts.{i}.gate_proj.weight``), become mlx-lm's ``switch_mlp``
+    layout.
     """
     out: dict[str, mx.array] = {}
     for name, value in weights.items():
-        key, shift = drafter_key(name)
-        out[key] = value + 1.0 if shift else value
+        key, is_norm = drafter_key(name)
+        out[key] = value + 1.0 if shift and is_norm else value
     per_expert = re.compile(r"(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
     stacks: dict[tuple[str, str], dict[int, mx.array]] = {}
     for key in [k for k in out if per_expert.fullmatch(k)]:

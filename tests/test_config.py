@@ -12,15 +12,15 @@ def test_only_known_fields_are_kept_and_defaults_filled():
     d["some_future_field"] = 1
     c = TextConfig.from_dict(d, "qwen3_5")
     assert not hasattr(c, "some_future_field")
-    assert c.hidden_size == 64 and c.rope_parameters["rope_theta"] == 10000.0
+    assert c.hidden_size == 64 and c.rope_parameters["rope_theta"] == 1e7  # the published one
     assert c.to_mlx_lm()["rope_parameters"]["type"] == "default"
 
 
 def test_legacy_top_level_rope_fields_are_folded_in():
     d = tiny_text_config()
     d.pop("rope_parameters")
-    d["rope_theta"] = 1e7
-    assert TextConfig.from_dict(d, "qwen3_5").rope_parameters["rope_theta"] == 1e7
+    d["rope_theta"] = 5e5
+    assert TextConfig.from_dict(d, "qwen3_5").rope_parameters["rope_theta"] == 5e5
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ def _raw():
 
 def test_each_raw_tensor_maps_once_and_exactly_seven_shift():
     raw = _raw()
-    out = sanitize_drafter(raw)
+    out = sanitize_drafter(raw, shift=True)
     assert sorted(out) == sorted(n[len("mtp.") :] for n in RAW_15)
     for i, name in enumerate(RAW_15):
         key = name[len("mtp.") :]
@@ -38,16 +38,21 @@ def test_each_raw_tensor_maps_once_and_exactly_seven_shift():
     assert len(SHIFTED) == len(NORM_SHIFT_SUFFIXES) == 7
 
 
+def test_a_head_stored_as_w_is_renamed_not_shifted():
+    out = sanitize_drafter(_raw(), shift=False)
+    assert all(out[n[len("mtp.") :]].tolist() == [float(i)] * 2 for i, n in enumerate(RAW_15))
+
+
 def test_sanitize_is_idempotent():
-    once = sanitize_drafter(_raw())
-    twice = sanitize_drafter(once)
+    once = sanitize_drafter(_raw(), shift=True)
+    twice = sanitize_drafter(once, shift=True)
     assert set(once) == set(twice)
     assert all(mx.array_equal(once[k], twice[k]).item() for k in once)
 
 
 def test_standalone_layout_is_never_shifted():
     standalone = {n[len("mtp.") :]: mx.ones((2,)) for n in RAW_15}
-    out = sanitize_drafter(standalone)
+    out = sanitize_drafter(standalone, shift=True)
     assert all(v.tolist() == [1.0, 1.0] for v in out.values())
     assert norm_shift_names(standalone) == []
 
@@ -61,7 +66,7 @@ def test_fused_moe_experts_are_split():
     out = sanitize_drafter({
         "mtp.layers.0.mlp.experts.gate_up_proj": gate_up,
         "mtp.layers.0.mlp.experts.down_proj": mx.zeros((2, 3, 3)),
-    })  # fmt: skip
+    }, shift=True)  # fmt: skip
     assert out["layers.0.mlp.switch_mlp.gate_proj.weight"].tolist() == gate_up[:, :3].tolist()
     assert out["layers.0.mlp.switch_mlp.up_proj.weight"].tolist() == gate_up[:, 3:].tolist()
     assert "layers.0.mlp.switch_mlp.down_proj.weight" in out

@@ -133,7 +133,7 @@ def load_drafter(model_dir: Path, config: ModelConfig, embed_tokens: nn.Module,
                  ) -> Qwen35MTPDrafter:  # fmt: skip
     """Load a drafter; ``quantize`` (4 or 8) quantizes a bf16 one at load."""
     module = Qwen35MTP(config)
-    weights = sanitize_drafter(load_arrays(model_dir))
+    weights = sanitize_drafter(load_arrays(model_dir), shift=False)  # standalone: holds w
     load_module_weights(module, weights, config.quantization, str(model_dir))
     if quantize is not None:
         config = quantize_drafter(module, config, quantize, where=f"the drafter {model_dir}")

@@ -21,11 +21,13 @@ from mlx_lm.models.cache import ArraysCache
 
 from .. import kernels
 from ..config import ModelConfig
+from ..errors import LayoutError
 from ..kernels.decode_attention import MAX_T, Rope, decode_attention, native_block
 from ..kernels.gated_delta import gated_delta_conv
 from ..kernels.gated_norm import gated_norm_in_place
+from ..layout import gather, stores_w_minus_1
 from ..options import Options
-from ..weights import load_arrays, load_module_weights
+from ..weights import load_arrays, load_module_weights, read_inventory
 from . import ForwardOut, GatedDeltaTrace
 from .kv_cache import GraphKV, RowsKVCache
 from .quantized_layers import FusedProjection, install, linear_add
@@ -563,11 +565,24 @@ def build_model(config: ModelConfig) -> nn.Module:
     return family.Model(args)
 
 
+# The norms mlx-lm's sanitize shifts in a raw target (stored there as w - 1).
+TARGET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+                "model.norm.weight", ".q_norm.weight", ".k_norm.weight")  # fmt: skip
+
+
 def load_target(model_dir: Path, config: ModelConfig, options: Options = Options()) -> Qwen35Target:
     """Load a target in any supported layout (mlx-community, flat, raw Hugging Face)."""
     model = build_model(config)
+    arrays = load_arrays(model_dir)
+    norms = {k: v for k, v in arrays.items() if k.endswith(TARGET_NORMS) and v.ndim == 1
+             and not k.startswith("mtp.")}  # fmt: skip
+    raw = stores_w_minus_1(gather(model_dir, read_inventory(model_dir), norms),
+                           f"the target {model_dir}")  # fmt: skip
     # mlx-lm's sanitize is the layout fix for targets: drops vision and mtp.* tensors, maps
-    # raw names, moves conv1d axes, and undoes the raw w-1 norm storage.
-    weights = model.sanitize(load_arrays(model_dir))
+    # raw names, moves conv1d axes, and undoes the raw w-1 norm storage when a conv1d weight
+    # is PyTorch's [C, 1, K]; the evidence above must agree with that rule.
+    if raw != any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in arrays.items()):
+        raise LayoutError(f"the target {model_dir} mixes conv1d layouts; re-convert it")
+    weights = model.sanitize(arrays)
     load_module_weights(model, weights, config.quantization, str(model_dir))
     return Qwen35Target(model, config, options)
