@@ -20,15 +20,15 @@ __all__ = ["GenerateResult", "Loaded", "MtpError", "Options", "SamplingParams", 
 # Where each public name lives; imported on first use, so that ``mtp --help`` and the error
 # types do not load MLX.
 _PUBLIC = {
-    "load_pair": "loading", "Loaded": "loading", "generate": "engine.run",
-    "GenerateResult": "engine.run", "Options": "options", "SamplingParams": "engine.sampling",
+    "load_pair": "loading", "Loaded": "loading", "generate": "generation",
+    "GenerateResult": "generation", "Options": "options", "SamplingParams": "engine.sampling",
     "MtpError": "errors",
 }  # fmt: skip
 
 if TYPE_CHECKING:
-    from .engine.run import GenerateResult, generate
     from .engine.sampling import SamplingParams
     from .errors import MtpError
+    from .generation import GenerateResult, generate
     from .loading import Loaded, load_pair
     from .options import Options
 

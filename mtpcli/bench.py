@@ -18,7 +18,6 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .engine import GenerationStats
 from .engine.classic import generate_classic
 from .engine.mtp import draft, generate_mtp
 from .errors import PromptError, UsageError
@@ -26,6 +25,7 @@ from .files import read_bounded
 from .kernels import backend as kernel_backend
 from .models.quantized_layers import stock_layers
 from .options import Options
+from .stats import GenerationStats
 
 DEFAULT_PROMPTS = [
     "Explain in detail how a transformer neural network works, covering attention, "
@@ -416,8 +416,9 @@ def gate_check(target, drafter, result: dict, blocks: list[int], repeats: int) -
     """What the gate's cost model predicts for each arm (from a fresh calibration and the
     arm's measured tokens per verify) beside the speedup the arm measured."""
     from . import gate
+    from .generation import gate_arms
 
-    cal = gate.calibrate(target, drafter, blocks, repeats=max(3, repeats))
+    cal = gate.calibrate(gate_arms(target, drafter), blocks, repeats=max(3, repeats))
     classic = result["classic"]["tps"]["median"]
     out = {"calibration": {"step_ms": cal.step_ms, "round_ms": cal.round_ms}}
     for b in blocks:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import os
 import shlex
@@ -35,22 +36,34 @@ state = {"debug": False, "stdin_closed": False}
 F = TypeVar("F", bound=Callable)
 
 
+DEBUG_HELP = "Show tracebacks on errors."
+
+
 def _interruptible(command: F) -> F:
     """Ctrl-C inside a command becomes our ``Interrupted`` (exit 130, one line), the same on
-    every Typer version (some turn it into a silent exit, some into exit 1)."""
+    every Typer version (some turn it into a silent exit, some into exit 1); and the command
+    takes ``--debug`` too (``mtp generate ... --debug`` as well as ``mtp --debug generate``)."""
 
     @functools.wraps(command)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args, debug: bool = False, **kwargs):
+        state["debug"] = state["debug"] or debug
         try:
             return command(*args, **kwargs)
         except KeyboardInterrupt as e:
             raise Interrupted("interrupted") from e
 
+    sig = inspect.signature(command, eval_str=True)
+    flag = inspect.Parameter(
+        "debug", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+        default=typer.Option(False, "--debug", metavar="", help=DEBUG_HELP),
+    )  # fmt: skip
+    wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), flag])
+    wrapper.__annotations__ = {**command.__annotations__, "debug": bool}
     return wrapper  # type: ignore[return-value]
 
 
 @app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors.")) -> None:
+def _root(debug: bool = typer.Option(False, "--debug", metavar="", help=DEBUG_HELP)) -> None:
     state["debug"] = debug
 
 
@@ -93,14 +106,30 @@ def _note(msg: str) -> None:
     err.print(msg, style="dim", soft_wrap=True)
 
 
-def _print_stats(stats, draft_kind: str) -> None:
+def _mtp_line(result) -> str:
+    """What ran: MTP on (at which block, why) or off (and why)."""
+    if result.draft_kind == "none":
+        return "MTP: off (no drafter)"
+    why = (
+        f"gate: {result.expected_speedup:.2f}x expected"
+        if result.expected_speedup is not None
+        else "forced by --draft-kind mtp"
+    )
+    if result.mtp_engaged:
+        return f"MTP: on, block {result.block_size} ({why})"
+    return f"MTP: off ({why}; --draft-kind mtp runs it anyway)"
+
+
+def _print_stats(result) -> None:
+    stats = result.stats
     err.print("==========")
     err.print(f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec")
     err.print(
         f"Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec"
     )
     err.print(f"Peak memory: {stats.peak_memory_gb:.3f} GB")
-    err.print(f"Draft kind: {draft_kind}")
+    err.print(f"Draft kind: {result.draft_kind}")
+    err.print(_mtp_line(result))
     r = stats.mtp
     if r is not None:
         per = " ".join(f"{a:.2f}" for a in r.acceptance_by_position)
@@ -206,18 +235,28 @@ def generate(
         256, "-n", "--max-tokens", min=1, help="Most tokens to generate."
     ),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k"),
-    min_p: float = typer.Option(0.0, "--min-p"),
+    top_p: float = typer.Option(
+        1.0, "--top-p", help="Sample from the fewest tokens whose probabilities sum to this."
+    ),
+    top_k: int = typer.Option(0, "--top-k", help="Sample from the k likeliest tokens; 0: all."),
+    min_p: float = typer.Option(
+        0.0, "--min-p", help="Drop tokens less likely than this times the likeliest one."
+    ),
     seed: int | None = typer.Option(
         None, "--seed", min=0, max=2**64 - 1, help="Seed for sampling (0 to 2^64 - 1)."
     ),
-    system_prompt: str | None = typer.Option(None, "--system-prompt"),
-    ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template"),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print one JSON object instead of streaming."
+    system_prompt: str | None = typer.Option(
+        None, "--system-prompt", help="A system message put before the prompt (chat template)."
     ),
-    verbose: bool = typer.Option(False, "--verbose", help="Say what was loaded and decided."),
+    ignore_chat_template: bool = typer.Option(
+        False, "--ignore-chat-template", metavar="", help="Encode the prompt as plain text."
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", metavar="", help="Print one JSON object instead of streaming."
+    ),
+    verbose: bool = typer.Option(
+        False, "--verbose", metavar="", help="Say what was loaded and decided."
+    ),
     kernels: str = typer.Option(
         "auto",
         "--kernels",
@@ -233,8 +272,8 @@ def generate(
     ),  # fmt: skip
 ) -> None:
     """Generate text, with MTP speculative decoding when a drafter is given."""
-    from .engine.run import generate as run_generate
     from .engine.sampling import SamplingParams
+    from .generation import generate as run_generate
     from .options import Options
 
     sampling = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
@@ -264,7 +303,7 @@ def generate(
         _write(json.dumps(result.as_dict()) + "\n")
     else:
         _write("\n")
-        _print_stats(result.stats, loaded.draft_kind)
+        _print_stats(result)
 
 
 @app.command()
@@ -321,7 +360,7 @@ def serve(
 @_interruptible
 def inspect_weights(
     path: str = typer.Argument(..., help="Checkpoint directory or Hugging Face repo id."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print one JSON object."),
 ) -> None:
     """Describe a checkpoint from its headers: layout, tensors, MTP head, drafter use."""
     from .inventory import describe
@@ -402,11 +441,12 @@ def bench(
     peers: bool = typer.Option(
         False,
         "--peers",
+        metavar="",
         help="Also run mlx-lm's decoding and, for checkpoints on disk, mlx-vlm's MTP, on the "
         "same weights.",
     ),
     verify_table: bool = typer.Option(
-        True, "--verify-table/--no-verify-table", help="Time T = 1..8 forwards."
+        True, "--verify-table/--no-verify-table", metavar="", help="Time T = 1..8 forwards."
     ),
     draft_quantize: list[int] = typer.Option(
         [],
@@ -415,7 +455,7 @@ def bench(
         "bits (repeatable), beside the drafter as loaded.",
     ),  # fmt: skip
     out: Path | None = typer.Option(None, "--out", help="Write Markdown and JSON here."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print one JSON object."),
     kernels: str = typer.Option(
         "auto", "--kernels", envvar="MTP_KERNELS", help="auto | native | ops, as for generate."
     ),  # fmt: skip

@@ -25,21 +25,21 @@ import platform
 import stat
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
 
 from . import kernels
-from .engine import MTPStats
 from .errors import MtpError
 from .files import read_bounded
 from .options import Options
+from .stats import GenerationStats, MTPStats
 
 PRIOR_ACCEPTANCE = 0.6
 # Predictions came within about 5% of the measured speedups on the CPU example
-# (docs/benchmark_results/cpu_example_bench.md): ask for at least that much expected gain.
+# (docs/benchmark_results/cpu_example_bench_9e23fa2.md): ask for at least that much expected gain.
 MARGIN = 1.05
 STORE_VERSION = 3
 
@@ -84,7 +84,7 @@ def decide(cal: Calibration, blocks: list[int], acceptance: float, source: str) 
     reason = (
         f"expected {speedup:.2f}x classic at block {block} with acceptance {acceptance:.2f} "
         f"({source}): a classic step costs {cal.step_ms:.2f} ms, a round of "
-        f"{block - 1} drafts and a verify {cal.round_ms[block]:.2f} ms"
+        f"{block - 1} draft{'s' if block > 2 else ''} and a verify {cal.round_ms[block]:.2f} ms"
         + (f" (other blocks {others})" if others else "")
         + "; "
         + ("MTP engaged" if engaged else f"below {MARGIN:.2f}x, decoding classically")
@@ -135,15 +135,26 @@ def shape_key(target, drafter) -> str:
     ))  # fmt: skip
 
 
+# A generation the calibration times: given the statistics to fill, the tokens as they come.
+Run = Callable[[GenerationStats], Iterator[int]]
+
+
+@dataclass(frozen=True)
+class Arms:
+    """What the gate times: classic decoding, and MTP at a block size (short generations
+    from one prompt, as the engines run them; ``generation.gate_arms`` builds them)."""
+
+    classic: Run
+    mtp: Callable[[int], Run]
+
+
 def calibrate(
-    target,
-    drafter,
+    runs: Arms,
     blocks: list[int],
     repeats: int = 5,
-    tokens: int = 32,
     budget_s: float = 2.0,
 ) -> Calibration:
-    """Time classic decoding and MTP rounds of each block size on a short prompt, as they run.
+    """Time classic decoding and MTP rounds of each block size, as they run.
 
     Each is run once to warm up; then rounds of one run of each, alternating, so that a change
     in the machine's speed (clocks, other load) reaches both sides alike, up to ``repeats``
@@ -151,25 +162,9 @@ def calibrate(
     is timed fewer times: its runs are long and steadier). The fastest run of each is kept:
     other load only ever slows a run down.
     """
-    import time
-
-    from .engine import GenerationStats
-    from .engine.classic import generate_classic
-    from .engine.mtp import generate_mtp
-
-    vocab = min(1000, target.config.text.vocab_size)
-    prompt = [(7 * i + 3) % vocab for i in range(16)]
     seen = [0, 0]  # accepted, examined drafts over the MTP runs
 
-    def classic(stats):
-        return generate_classic(target, prompt, max_tokens=tokens, stats=stats)
-
-    def mtp(block: int):
-        return lambda stats: generate_mtp(
-            target, drafter, prompt, block_size=block, max_tokens=tokens, stats=stats
-        )
-
-    def measured(run) -> float:
+    def measured(run: Run) -> float:
         mx.clear_cache()  # as a fresh process starts; what ran before (a peer) is not carried
         stats = GenerationStats()
         list(run(stats))
@@ -179,7 +174,7 @@ def calibrate(
             seen[1] += stats.mtp.examined
         return stats.generation_s * 1000 / max(units, 1)
 
-    arms = {0: classic} | {b: mtp(b) for b in blocks}  # 0: the classic step
+    arms = {0: runs.classic} | {b: runs.mtp(b) for b in blocks}  # 0: the classic step
     for run in arms.values():
         list(run(GenerationStats()))  # warm-up: kernel compilation, caches
     vals: dict[int, list[float]] = {key: [] for key in arms}
@@ -358,6 +353,7 @@ def gate(
     drafter,
     block: int,
     pair: str,
+    runs: Arms,
     *,
     forced: bool = False,
     adapt: bool = False,
@@ -365,6 +361,7 @@ def gate(
 ) -> GateDecision:
     """Decide whether this run should use MTP, and at which block size.
 
+    ``runs`` are what a calibration times (when this machine and shape have none cached);
     ``forced`` (``--draft-kind mtp``) runs MTP at ``block``; ``adapt`` (no block size asked
     for) lets the gate pick among ``ADAPT_BLOCKS`` and ``block``; ``note`` is told before a
     calibration (a few short generations) and of any problem with the cache.
@@ -378,7 +375,7 @@ def gate(
     seen = None
     if cal is None:
         note("calibrating the MTP gate (once per machine and model shape)")
-        cal = calibrate(target, drafter, blocks)
+        cal = calibrate(runs, blocks)
         st.put_calibration(key, cal)
         seen = cal.acceptance
     known = st.acceptance(pair)

@@ -1,7 +1,7 @@
 """``mtp serve``: an OpenAI-compatible HTTP server over the engine ``mtp generate`` runs.
 
 ``/v1/chat/completions`` and ``/v1/completions`` (streamed as server-sent events or not),
-``/v1/models`` and ``/health``. Each request goes through ``engine.run.generate``: the same
+``/v1/models`` and ``/health``. Each request goes through ``generation.generate``: the same
 prompt encoding, gate, engines and exactness as the CLI. One request decodes at a time, on the
 main thread (MLX's work stays on one thread); the others wait in a queue, and the HTTP side
 (Starlette on uvicorn, in a thread of its own) only parses, queues and relays.
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import check_room
-from .engine.run import GenerateResult, generate
 from .engine.sampling import MAX_TEMP, MIN_TEMP, SamplingParams
 from .errors import ContextTooLongError, MtpError, ServeError, UsageError
+from .generation import GenerateResult, generate
 from .loading import Loaded
 from .tokenizer import encode_messages, encode_prompt
 

@@ -9,13 +9,13 @@ import pytest
 from mlx_lm.models.cache import ArraysCache
 
 from mtpcli import kernels
-from mtpcli.engine import GenerationStats
 from mtpcli.engine.classic import generate_classic
 from mtpcli.engine.mtp import generate_mtp
 from mtpcli.engine.sampling import positions
 from mtpcli.loading import load_pair
 from mtpcli.models import qwen3_5 as target_mod
 from mtpcli.options import Options
+from mtpcli.stats import GenerationStats
 
 PROMPTS = [
     [7],  # one token

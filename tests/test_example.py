@@ -11,11 +11,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mtpcli.engine import GenerationStats
 from mtpcli.engine.classic import generate_classic
 from mtpcli.engine.mtp import generate_mtp
 from mtpcli.example import EXAMPLE_DIR, ensure_example, example_prompts
 from mtpcli.loading import load_pair
+from mtpcli.stats import GenerationStats
 
 
 @pytest.fixture(scope="module")

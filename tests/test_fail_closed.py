@@ -151,7 +151,7 @@ def _fake_calibration(ctx):
     """The gate's calibration, faked (counted in ctx.calibrations); a first run fills the cache."""
     ctx.calibrations = []
 
-    def calibrate(target, drafter, blocks, repeats=3):
+    def calibrate(runs, blocks, repeats=3):
         ctx.calibrations.append(list(blocks))
         return gate.Calibration(10.0, dict.fromkeys(blocks, 14.0))
 

@@ -8,8 +8,9 @@ import pytest
 
 from mtpcli import gate
 from mtpcli.cli import run
-from mtpcli.engine import GenerationStats, MTPStats
 from mtpcli.gate import Calibration, GateStore
+from mtpcli.generation import gate_arms
+from mtpcli.stats import GenerationStats, MTPStats
 
 
 def test_tokens_per_round_is_the_expected_accepted_prefix_plus_one():
@@ -70,7 +71,7 @@ def fake_machine(tmp_path, monkeypatch):
     calls = []
     costs = {"round": 14.0}
 
-    def calibrate(target, drafter, blocks, repeats=3):
+    def calibrate(runs, blocks, repeats=3):
         calls.append(list(blocks))
         # every block costs the same per round here, except that 4 is dearer: 3 wins
         rounds = {b: costs["round"] * (2 if b == 4 else 1) for b in blocks}
@@ -125,51 +126,43 @@ def test_cli_gate_reason_goes_to_stderr(fake_machine, capsys):
 
 def test_real_calibration_measures_positive_costs(load):
     loaded = load()
-    cal = gate.calibrate(loaded.target, loaded.drafter, [2, 3], repeats=1, tokens=8)
+    cal = gate.calibrate(gate_arms(loaded.target, loaded.drafter, tokens=8), [2, 3], repeats=1)
     assert cal.step_ms > 0 and set(cal.round_ms) == {2, 3}
     assert all(v > 0 for v in cal.round_ms.values())
 
 
-def test_calibration_stops_early_on_a_slow_model(load, monkeypatch):
+def _counted(loaded, order: list, tokens: int) -> gate.Arms:
+    """``gate_arms`` that note each run they start: "c" for classic, the block for MTP."""
+    real = gate_arms(loaded.target, loaded.drafter, tokens=tokens)
+
+    def classic(stats):
+        order.append("c")
+        return real.classic(stats)
+
+    def mtp(block):
+        def run(stats):
+            order.append(block)
+            return real.mtp(block)(stats)
+
+        return run
+
+    return gate.Arms(classic, mtp)
+
+
+def test_calibration_stops_early_on_a_slow_model(load):
     # With no time budget left after the first measured run, each side is timed once (plus
     # its warm-up): a large model's calibration stays short.
-    import mtpcli.engine.classic as classic
-
-    calls = []
-    real = classic.generate_classic
-
-    def counting(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(classic, "generate_classic", counting)
-    loaded = load()
-    gate.calibrate(loaded.target, loaded.drafter, [3], repeats=5, tokens=8, budget_s=0.0)
-    assert len(calls) == 2
+    order = []
+    gate.calibrate(_counted(load(), order, 8), [3], repeats=5, budget_s=0.0)
+    assert order.count("c") == 2
 
 
-def test_calibration_alternates_the_sides(load, monkeypatch):
+def test_calibration_alternates_the_sides(load):
     """Classic and MTP runs alternate after the warm-ups, so a machine that slows down or
     speeds up midway moves both sides' costs alike (one side timed in a slow stretch and the
     other in a fast one mispredicts the speedup)."""
-    import mtpcli.engine.classic as classic
-    import mtpcli.engine.mtp as mtp
-
     order = []
-    real_classic, real_mtp = classic.generate_classic, mtp.generate_mtp
-
-    def counting_classic(*a, **kw):
-        order.append("c")
-        return real_classic(*a, **kw)
-
-    def counting_mtp(*a, **kw):
-        order.append(kw["block_size"])
-        return real_mtp(*a, **kw)
-
-    monkeypatch.setattr(classic, "generate_classic", counting_classic)
-    monkeypatch.setattr(mtp, "generate_mtp", counting_mtp)
-    loaded = load()
-    gate.calibrate(loaded.target, loaded.drafter, [2, 3], repeats=3, tokens=4, budget_s=60.0)
+    gate.calibrate(_counted(load(), order, 4), [2, 3], repeats=3, budget_s=60.0)
     assert order == ["c", 2, 3] * 4  # warm-ups, then three measured rounds
 
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from mtpcli.cli import run
-from mtpcli.engine.run import StopText
+from mtpcli.generation import StopText
 
 PROMPTS = ["def parse_args(argv):", "import os\n", "class Parser:", "for line in"]
 
@@ -274,7 +274,7 @@ def test_stop_text_holds_back_what_could_begin_a_stop():
 
 
 def test_cancel_and_finish_reasons(load):
-    from mtpcli.engine.run import generate
+    from mtpcli.generation import generate
 
     pair = load()
     asked = []

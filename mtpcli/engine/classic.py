@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterable, Iterator
 import mlx.core as mx
 
 from ..models import Target
-from . import GenerationStats, check_room, first_logits, prompt_array
+from ..stats import GenerationStats
+from . import check_room, first_logits, prompt_array
 from .sampling import SamplingParams, check_finite, pick, pick_checked
 
 

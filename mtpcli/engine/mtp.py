@@ -16,7 +16,8 @@ import mlx.core as mx
 from ..config import check_block_size
 from ..drafters import Drafter
 from ..models import Target
-from . import GenerationStats, MTPStats, check_room, first_logits, prompt_array
+from ..stats import GenerationStats, MTPStats
+from . import check_room, first_logits, prompt_array
 from .sampling import SamplingParams, accept, greedy, pick, positions, probs
 
 

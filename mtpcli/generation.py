@@ -9,15 +9,15 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .. import gate
-from ..config import check_block_size
-from ..errors import UsageError
-from ..loading import Loaded
-from ..tokenizer import encode_prompt
-from . import GenerationStats
-from .classic import generate_classic
-from .mtp import generate_mtp
-from .sampling import SamplingParams
+from . import gate
+from .config import check_block_size
+from .engine.classic import generate_classic
+from .engine.mtp import generate_mtp
+from .engine.sampling import SamplingParams
+from .errors import UsageError
+from .loading import Loaded
+from .stats import GenerationStats
+from .tokenizer import encode_prompt
 
 
 @dataclass
@@ -162,7 +162,8 @@ def generate(
     if pair.drafter is not None:
         decision = gate.gate(
             target, pair.drafter, block_size or pair.drafter.block_size, pair.pair_key,
-            forced=force_mtp, adapt=block_size is None, note=note,
+            gate_arms(target, pair.drafter), forced=force_mtp, adapt=block_size is None,
+            note=note,
         )  # fmt: skip
         on_decision(decision)
     engaged = decision is not None and decision.engaged
@@ -208,6 +209,23 @@ def generate(
         expected_speedup=decision.expected_speedup if decision else None, stats=stats,
         finish_reason=finish,
     )  # fmt: skip
+
+
+def gate_arms(target, drafter, tokens: int = 32) -> gate.Arms:
+    """What the gate's calibration times: classic decoding and MTP at a block size, each a
+    short greedy generation from the same made-up prompt, as the engines run them."""
+    vocab = min(1000, target.config.text.vocab_size)
+    prompt = [(7 * i + 3) % vocab for i in range(16)]
+
+    def classic(stats: GenerationStats):
+        return generate_classic(target, prompt, max_tokens=tokens, stats=stats)
+
+    def mtp(block: int):
+        return lambda stats: generate_mtp(
+            target, drafter, prompt, block_size=block, max_tokens=tokens, stats=stats
+        )
+
+    return gate.Arms(classic, mtp)
 
 
 def _emit(on_text: Callable[[str], None], text: str) -> None:
