@@ -92,10 +92,17 @@ def pick_checked(logits: mx.array, s: SamplingParams) -> tuple[mx.array, mx.arra
             mx.logsumexp(logits, axis=-1, keepdims=True))  # fmt: skip
 
 
-def check_finite(lse: mx.array, position: int) -> None:
+def _flat(values) -> list[float]:
+    return [x for v in values for x in _flat(v)] if isinstance(values, list) else [values]
+
+
+def check_finite(lse: mx.array, position: int, rows: int | None = None) -> None:
     """Stop on a NaN or +Inf logit (``lse`` from ``pick_checked``, already computed): decoding
-    past one prints garbage with a clean exit. ``position`` counts generated tokens."""
-    if not all(math.isfinite(v) for v in lse.reshape(-1).tolist()):
+    past one prints garbage with a clean exit. ``position`` counts generated tokens; ``rows``:
+    only the first rows count. Reads ``lse`` as it is: an operation on it (a reshape, a slice)
+    would queue behind the step already submitted and wait for it."""
+    values = _flat(lse.tolist()[:rows] if rows is not None else lse.tolist())
+    if not all(math.isfinite(v) for v in values):
         raise NonFiniteOutputError(
             f"the target's logits at generated token {position} are not finite (NaN or Inf): "
             "its weights are damaged or were converted wrongly (an embedding row, a norm); "
@@ -134,7 +141,7 @@ def accept(
     else:
         lse = mx.logsumexp(logits, axis=-1, keepdims=True)
         out = accept_sampled(probs(logits, s), q, drafts)
-    check_finite(lse[: out[0] + 1], position)
+    check_finite(lse, position, rows=out[0] + 1)
     return out
 
 
