@@ -206,8 +206,8 @@ class Arm:
 
 
 def run_arm(arm: Arm, generate: Callable[[GenerationStats], list[int]]) -> None:
-    # Every run starts from an empty buffer cache, whatever ran before it (on the H200 a run
-    # right after the mlx-lm peer was up to 2x slower without this).
+    # Every run starts from an empty buffer cache, whatever ran before it: a peer's cached
+    # buffers would otherwise slow the next arm down.
     mx.clear_cache()
     stats = GenerationStats()
     tokens = generate(stats)

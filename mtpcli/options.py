@@ -10,8 +10,8 @@ from .kernels import MODES, backend
 
 QMM_CHOICES = ("auto", "mlx", "ours")
 # Where a GPU runs, a verify block goes to the device every this many layers as it is built
-# (8 measured best on the H200 against 2, 4 and 16); on the CPU at its wait, where the
-# device's compute would hide the overlap anyway.
+# (fewer submissions leave the device idle longer, more cost a submission each); on the CPU
+# at its wait, where the device's compute would hide the overlap anyway.
 SUBMIT_EVERY_GPU = 8
 
 

@@ -80,9 +80,9 @@ _SPELLINGS = {
 
 # A kernel body's RCP1(x): 1 / x for x >= 1 (a sigmoid's denominator). On CUDA the IEEE
 # division's fast path alone (rcp.approx and one Newton step, what nvcc emits once its range
-# check passes): correctly rounded for x < 2^126, 0 beyond (where 1 / x < 2^-126). Without the
-# check and its slow-path branch the gated-delta kernel's decode step took 4% less time on the
-# H200. Metal and the CPU emulation divide.
+# check passes): correctly rounded for x < 2^126, 0 beyond (where 1 / x < 2^-126), without
+# the check and slow-path branch that cost the gated-delta kernel's step time. Metal and the
+# CPU emulation divide.
 RCP1 = """
     #ifdef __CUDA_ARCH__
     const auto rcp1_ = [](float x) {
@@ -185,8 +185,8 @@ def _stand_in(*, inputs, output_shapes, output_dtypes, **_launch) -> list[mx.arr
 
 def compact(text: str) -> str:
     """A kernel text without its ``//`` comments, indentation and blank lines. MLX builds a
-    kernel's whole text on every call and hashes it on every evaluation: on the H100 an 8 KB
-    text cost 1.6 us a launch more than a short one (docs/benchmark_results). A comment on a
+    kernel's whole text on every call and hashes it on every evaluation, so a shorter text
+    costs less each launch (docs/design.md, "The launch budget"). A comment on a
     line continued by a backslash is kept (the backslash would continue the comment)."""
     lines = []
     for line in text.splitlines():

@@ -402,10 +402,9 @@ _METAL_HEADER = """inline void store1(device float* p, float v) { *p = v; }
 inline void store4(device float4* p, float4 v) { *p = v; }
 """
 
-# The conv variant takes 109-115 registers unbounded: 2 threadgroups of 8 warps a
-# multiprocessor, 264 on the H200, fewer than a 27B layer's 384 (B = 1). Bounded to 3 (396),
-# ptxas fits it in 72-78 without spills (tests/test_cuda_compile.py), and a layer's
-# threadgroups run in one wave.
+# Unbounded, the conv variant's registers allow 2 threadgroups of 8 warps a multiprocessor,
+# fewer than a 27B layer's 384 threadgroups (B = 1) on a big GPU; bounded to 3, ptxas fits it
+# without spills (tests/test_cuda_compile.py) and a layer's threadgroups run in one wave.
 CONV_MIN_BLOCKS = 3
 
 
@@ -452,19 +451,17 @@ def _kernel(keep: bool, conv: bool = False, bounds: tuple[int, int] | None = Non
                  lambda: _build_metal(keep, conv))  # fmt: skip
 
 
-# Value rows per warp (R/2 a half-warp): with the q/k and gates made once per threadgroup, 2
-# rows a warp (then of 32 lanes each) beat 4 and 1 at every T on the H200; a row
-# a half-warp (2 a warp) took 10.2 us for a T = 3 block with states against 10.5 with a row
-# over all 32 lanes, and 7.8 against 8.5 at T = 1. A chunk's value inputs are
-# loaded one a lane, so above 4 rows the chunks are shorter (32 / R steps).
+# Value rows per warp (R/2 a half-warp), with the q/k and gates made once per threadgroup:
+# 2 (a row a half-warp) is the fastest of 1, 2 and 4 at every T
+# (docs/benchmark_results/h200_gdn_variants_7b92129.json). A chunk's value inputs are loaded
+# one a lane, so above 4 rows the chunks are shorter (32 / R steps).
 _ROWS = 2
-# Lanes a state row: 32 / LANES rows of a warp side by side (R a multiple of them). 8 and 4
-# (4 and 8 rows a warp) were slower in the real step on the H200 at both T.
+# Lanes a state row: 32 / LANES rows of a warp side by side (R a multiple of them); 16 is
+# faster than 8 and 4 in the real step (same file).
 _LANES = 16
 # A threadgroup: its warps share one chunk's q/k normalisation and gates (with the conv folded
 # in, convolved too), which every threadgroup of the key head makes again: 8 warps make them
-# half as often as 4, and a T = 3 block with states took 11.0 us against 12.8 on the H200
-# (T = 1 8.7 against 8.5).
+# half as often as 4, faster for a verify block and on par for a decode step (same file).
 _WARPS = 8
 # Value heads a threadgroup: HEADS heads of one key head share its q/k normalisation (and
 # conv), made once for them, their rows WARPS / HEADS warps each. 1 where it does not divide
@@ -472,10 +469,8 @@ _WARPS = 8
 _HEADS = 1
 # The conv variant's blocks of WIDE_FROM steps or more go wide where the shape allows:
 # (warps, heads, launch bound) 24 warps holding 3 heads, one threadgroup a multiprocessor, so
-# a key head's q/k are made a third as often. On the H200 a 27B layer's real T = 3 step took
-# 0.424 ms against 0.437 (T = 8 in one layer 13.7 us against 15.9), while T = 1 took 0.342
-# against 0.333 and T = 2 8.00 us against 7.58. A row's arithmetic is the same
-# either way, bit for bit.
+# a key head's q/k are made a third as often: faster from T = 3 on, slower at T = 1 and 2
+# (same file). A row's arithmetic is the same either way, bit for bit.
 _WIDE: tuple[int, int, int] | None = (24, 3, 1)
 _WIDE_FROM = 3
 

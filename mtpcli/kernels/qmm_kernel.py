@@ -40,8 +40,8 @@ __device__ __forceinline__ void qm_load(uint32_t* dst, const uint32_t* src) {
   }
 }
 
-// (w & mask) | bits as one LOP3: with both constants immediate, ptxas spends two (measured in
-// the H200's SASS: 64 LOP3 a stretch where 32 do).
+// (w & mask) | bits as one LOP3: with both constants immediate, ptxas spends two (seen in
+// the SASS: twice the LOP3s a stretch needs).
 __device__ __forceinline__ uint32_t qm_and_or(uint32_t w, uint32_t mask, uint32_t bits) {
 #ifdef __CUDA_ARCH__
   uint32_t r;

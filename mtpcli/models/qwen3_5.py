@@ -59,7 +59,7 @@ class RowPolicy:
     def signature(self, module: nn.Module) -> int:
         """The module's op class (its type, bits, parameter names, shapes and dtypes) as a small
         number: keys made of it hash at once, where the class itself (a tuple of tuples, whose
-        hash Python does not keep) took 0.6 us a lookup on the dev CPU, 81 lookups a verify."""
+        hash Python does not keep) is hashed anew at every lookup, dozens a verify."""
         entry = self._sigs.get(id(module))
         if entry is None:
             params = tree_flatten(module.parameters())
@@ -263,7 +263,8 @@ class Qwen35Target:
         # count), so the device idles while Python builds it. Every ``submit_every`` layers
         # the hidden state so far is submitted (mx.async_eval), the device running the first
         # layers while the rest are built; 0 submits once, at the wait. Decode steps are not
-        # submitted in parts: on the H200 that measured no faster.
+        # submitted in parts: the next step is queued before this one is read, so the device
+        # is already busy while a step is built.
         self.submit_every = options.layers_a_submit
         if options.ours:  # decode and verify rows then share one product kernel
             install(model, self.mode)
@@ -277,22 +278,22 @@ class Qwen35Target:
         # A decode step or verify block whose layer-by-layer pass settled every choice (kernel
         # checks, row probes) and ran each attention layer on the native kernels then runs as
         # one compiled graph of the whole decoder: one call to build where the layer-by-layer
-        # pass makes a hundred (on the H100 its Python was a third of a step's host time).
+        # pass makes a hundred (docs/design.md, "One graph a step").
         self._graphs: dict[bool, Callable] = {}  # verify -> the compiled whole forward
         self._graph_ready: set[tuple[int, bool]] = set()  # (T, verify) seen settled
         self._pass_native = True  # every attention layer of this pass took the native block
         # Routed (MoE) layers on a GPU are never batched in a verify: which rows share an
         # expert's product changes from block to block, so a probe can pass by luck and a later
         # block differ. Nor are they compiled: on CUDA their compiled functions differ from the
-        # eager ones, which the first block of each length runs (the H200 showed both). MLX's
-        # CPU products are row-invariant regardless.
+        # eager ones, which the first block of each length runs (docs/supported-models.md).
+        # MLX's CPU products are row-invariant regardless.
         gpu = kernels.backend() != "cpu"
         moe = qwen3_5.SparseMoeBlock
         self.routed_on_gpu = [gpu and isinstance(ly.mlp, moe) for ly in self.layers]
         # Nor are layers with a dense (unquantized) product probed on a GPU: MLX's bf16 matmuls
         # are not row-invariant on CUDA (docs/design.md), yet on small products three probes
-        # can pass and a later block differ (the H200 showed it on the bf16 test model, 63-195
-        # tokens into 4 of 6 prompts). They run position by position in a verify, as decode.
+        # can pass and a later block differ (docs/supported-models.md). They run position by
+        # position in a verify, as decode.
         self.unprobed = [
             r or (gpu and _dense(ly)) for r, ly in zip(self.routed_on_gpu, self.layers, strict=True)
         ]
@@ -537,7 +538,7 @@ def restore_conv(cache: ArraysCache, trace: GatedDeltaTrace, n_keep: int) -> Non
 
 def restore_state(cache: ArraysCache, trace: GatedDeltaTrace, n_keep: int) -> None:
     # A view of the kept state: indexing with an integer would copy it through a gather
-    # kernel (3 MB a layer of the 27B shape, 20 us each on the H200).
+    # kernel, a layer's whole state each rollback.
     cache[1] = trace.states[n_keep - 1 : n_keep].reshape(trace.states.shape[1:])
 
 
