@@ -203,6 +203,9 @@ def _load(model, draft_model, draft_kind, draft_block_size, draft_quantize, opti
         err.print(NOTE, style="yellow")
     if draft_block_size is not None and draft_model is None:
         raise UsageError("--draft-block-size needs --draft-model (a qwen3_5_mtp drafter)")
+    if draft_block_size is not None and draft_kind == "none":
+        raise UsageError("--draft-block-size sets MTP's rounds, and --draft-kind none turns "
+                         "MTP off: drop one of them")  # fmt: skip
     if draft_quantize is not None and draft_model is None:
         raise UsageError("--draft-quantize needs --draft-model (a qwen3_5_mtp drafter)")
     with _status() as progress:

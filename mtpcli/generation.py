@@ -146,7 +146,8 @@ def generate(
     if block_size is not None:
         check_block_size(block_size, "--draft-block-size")
         if pair.drafter is None:
-            raise UsageError("--draft-block-size needs --draft-model (a qwen3_5_mtp drafter)")
+            raise UsageError("--draft-block-size needs a drafter: give --draft-model, and not "
+                             "--draft-kind none")  # fmt: skip
     if force_mtp and pair.drafter is None:
         raise UsageError("--draft-kind mtp needs --draft-model (a qwen3_5_mtp drafter)")
     tokenizer, target = pair.tokenizer, pair.target

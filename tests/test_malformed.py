@@ -231,6 +231,15 @@ def test_usage_errors(ckpts, capsys):
     _assert_cli_error(["bench", "--qmm", "fast"], capsys)
 
 
+def test_a_block_size_with_mtp_turned_off_says_so(ckpts, capsys):
+    """--draft-kind none drops the drafter at load; a block size beside it must not be told
+    that --draft-model is missing (it was given)."""
+    t, d = str(ckpts.target()), str(ckpts.drafter())
+    err = _assert_cli_error(["generate", "-m", t, "--draft-model", d, "--draft-kind", "none",
+                             "--draft-block-size", "3", "-p", "x"], capsys)  # fmt: skip
+    assert "--draft-kind none" in err and "needs --draft-model" not in err
+
+
 def test_engine_refuses_batches(load):
     from mtpcli.engine.mtp import generate_mtp
 
