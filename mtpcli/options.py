@@ -24,20 +24,24 @@ class Options:
     Metal product elsewhere). ``compile``: decode steps and verify blocks run as
     ``mx.compile``d layer functions (a 27B step's graph takes as long to build op by op as the
     GPU takes to run it). ``submit_every``: a verify block is submitted every this many layers
-    as it is built (0: once, at its wait; None: ``SUBMIT_EVERY_GPU`` on a GPU, 0 on the CPU)."""
+    as it is built (0: once, at its wait; None: ``SUBMIT_EVERY_GPU`` on a GPU, 0 on the CPU).
+    ``graph``: once a step or block length has settled, run it as one compiled graph of the
+    whole decoder (False: layer by layer, as before it settled; for comparisons)."""
 
     kernels: str = "auto"
     qmm: str = "auto"
     compile: bool = True
     submit_every: int | None = None
+    graph: bool = True
 
     def __post_init__(self) -> None:
         if self.kernels not in MODES:
             raise UsageError(f"--kernels must be one of {', '.join(MODES)}, got {self.kernels!r}")
         if self.qmm not in QMM_CHOICES:
             raise UsageError(f"--qmm must be one of {', '.join(QMM_CHOICES)}, got {self.qmm!r}")
-        if not isinstance(self.compile, bool):
-            raise UsageError(f"compile must be True or False, got {self.compile!r}")
+        for name in ("compile", "graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(f"{name} must be True or False, got {getattr(self, name)!r}")
         every = self.submit_every
         if every is not None and (isinstance(every, bool) or not isinstance(every, int)
                                   or not 0 <= every <= 1024):  # fmt: skip

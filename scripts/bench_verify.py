@@ -13,7 +13,6 @@ with min-max. Writes <out>/<name>.json and .md.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import gc
 import itertools
@@ -115,7 +114,7 @@ def gated_delta_alone(
                 out = gd.gated_delta_conv_native(qkv, window, conv_w, a, b, A_log, dt_bias, s,
                                                   heads, keep_states=keep)  # fmt: skip
             else:  # mlx-lm's convolution ops first
-                out = gd._conv_then_delta(cw.conv_silu_ops, ops, qkv, window, conv_w, a, b,
+                out = gd.conv_then_delta(cw.conv_silu_ops, ops, qkv, window, conv_w, a, b,
                                           A_log, dt_bias, s, heads, keep)  # fmt: skip
             return (out[1], out[4]), [x for x in out if x is not None]
         fn = gd.gated_delta_raw_native if native else ops
@@ -162,12 +161,12 @@ def leave_out(target, cache, T: int, repeats: int, what: str) -> dict:
             return mx.zeros((B, L, q.shape[2] * D), q.dtype)
 
     setattr(tm, name, stub)
-    target.functions = tm.LayerFunctions(target.options.compile)  # traced with the stub
+    target.retrace()  # traced with the stub
     try:
         return forward_cost(target, cache, T, True, repeats)
     finally:
         setattr(tm, name, original)
-        target.functions = tm.LayerFunctions(target.options.compile)
+        target.retrace()
 
 
 def matmul_costs(target, T: int, repeats: int, rowwise: bool) -> dict:
@@ -228,10 +227,7 @@ def row_invariance(bits) -> dict:
 
 def eager(target):
     """``target`` (the same layers, fused products and row policy) run op by op."""
-    out = copy.copy(target)
-    out.options = dataclasses.replace(target.options, compile=False)
-    out.functions = tm.LayerFunctions(False)
-    return out
+    return target.with_options(dataclasses.replace(target.options, compile=False))
 
 
 def decode_arms(target) -> dict[str, tuple[Callable, Callable]]:

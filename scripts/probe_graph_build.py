@@ -20,7 +20,6 @@ import mlx.core as mx
 
 from mtpcli import kernels, launches, synthetic
 from mtpcli.engine import prompt_array
-from mtpcli.models import qwen3_5
 from mtpcli.options import Options
 
 
@@ -48,15 +47,12 @@ def main() -> None:
     args = ap.parse_args()
     res = {"shape": args.shape, "mlx": mx.__version__, "counted_on": kernels.backend(),
            "load_before": os.getloadavg(), "build_ms": {}}  # fmt: skip
-    native_block = qwen3_5.native_block
     for path in ("layer by layer", "one graph"):
-        # Layer by layer: no pass counts as settled, so no graph is made.
-        qwen3_5.native_block = native_block if path == "one graph" else lambda *a, **k: False
+        options = Options(submit_every=0, graph=path == "one graph")
         with launches.structure_of("cuda"):
-            target, _ = synthetic.build(args.shape, bits=4, options=Options(submit_every=0))
+            target, _ = synthetic.build(args.shape, bits=4, options=options)
             for T, verify, name in ((1, False, "decode step"), (3, True, "verify block of 3")):
                 res["build_ms"][f"{name}, {path}"] = build_times(target, T, verify, args.n)
-    qwen3_5.native_block = native_block
     res["load_after"] = os.getloadavg()
     for name, r in res["build_ms"].items():
         print(f"{name:34} {r['median']:7.3f} ms ({r['min']:.3f}-{r['max']:.3f})")

@@ -32,7 +32,7 @@ BLOCKS = [2, 3, 4, 6, 8]
 
 def _retrace(target) -> None:
     """Fresh layer functions: the next passes trace what the model code now calls."""
-    target.functions = target_mod.LayerFunctions(target.options.compile)
+    target.retrace()
 
 
 def _classic(loaded, prompt, n):

@@ -319,7 +319,7 @@ def test_a_wrong_folded_kernel_is_refused_and_the_two_launches_run(monkeypatch, 
     with pytest.warns(RuntimeWarning, match="gated_delta_conv kernel disagrees.*T = 3: y"):
         got = gd.gated_delta_conv(*args, keep_states=True)
     # the conv's and the recurrence's own best paths (on a GPU, their native kernels)
-    want = gd._conv_then_delta(gd.conv_silu, gd.gated_delta_raw, *args, True)
+    want = gd.conv_then_delta(gd.conv_silu, gd.gated_delta_raw, *args, True)
     assert all(_bitwise(x, y) for x, y in zip(got, want, strict=True))
     kernels.reset_verdicts()
 
@@ -427,7 +427,7 @@ def test_cuda_folded_conv_equals_the_conv_kernel_then_the_raw_kernel():
 
     args = _conv_args(T=3, heads=(16, 128, 48, 128), seed=4)
     got = gd.gated_delta_conv_native(*args, keep_states=True)
-    want = gd._conv_then_delta(cw.conv_silu_native, gd.gated_delta_raw_native, *args, True)
+    want = gd.conv_then_delta(cw.conv_silu_native, gd.gated_delta_raw_native, *args, True)
     assert all(_bitwise(x, y) for x, y in zip(got, want, strict=True))
 
 

@@ -62,7 +62,7 @@ def test_decode_step_launches_six_kernels_a_layer(tiny_pair):
     assert step.kinds["kernel"] == 6 * layers + 3
     # the attention layer's KV cache: keys and values written once a step, at the length the
     # graph reads from the device (the step runs as one compiled graph by now)
-    assert step.kinds["DynamicSliceUpdate"] == 2 and (1, False) in target._graph_ready
+    assert step.kinds["DynamicSliceUpdate"] == 2 and (1, False) in target.graph_lengths
 
 
 def test_round_parts_add_up_and_the_rollback_launches_nothing(tiny_pair):

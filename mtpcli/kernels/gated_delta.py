@@ -596,8 +596,10 @@ def _heads(conv_out: mx.array, heads: tuple) -> tuple[mx.array, mx.array, mx.arr
     return q.reshape(B, T, Hk, Dk), k.reshape(B, T, Hk, Dk), v.reshape(B, T, Hv, Dv)
 
 
-def _conv_then_delta(conv, delta, qkv, window, conv_w, a, b, A_log, dt_bias, state, heads,
-                     keep_states: bool):  # fmt: skip
+def conv_then_delta(conv, delta, qkv, window, conv_w, a, b, A_log, dt_bias, state, heads,
+                    keep_states: bool):  # fmt: skip
+    """The layer as two launches: ``conv`` (the window convolution and SiLU of ``qkv``) then
+    ``delta`` (the recurrence) on its q, k, v heads; the folded kernel's outputs, in order."""
     out, inputs, new_window = conv(qkv, window, conv_w)
     q, k, v = _heads(out, heads)
     y, state, states = delta(q, k, v, a, b, A_log, dt_bias, state, keep_states=keep_states)
@@ -615,7 +617,7 @@ def gated_delta_conv_ops(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads
     ``gated_delta_ops`` does, the window and inputs [B, K-1+T, NC] and the new window
     [B, K-1, NC].
     """
-    return _conv_then_delta(conv_silu_ops, gated_delta_raw_ops, qkv, window, conv_w, a, b,
+    return conv_then_delta(conv_silu_ops, gated_delta_raw_ops, qkv, window, conv_w, a, b,
                             A_log, dt_bias, state, heads, keep_states)  # fmt: skip
 
 
@@ -784,6 +786,6 @@ def gated_delta_conv(qkv, window, conv_w, a, b, A_log, dt_bias, state, heads, *,
                                       keep_states=keep_states)  # fmt: skip
         if out is not None:
             return out
-    return _conv_then_delta(partial(conv_silu, mode=mode), partial(gated_delta_raw, mode=mode),
+    return conv_then_delta(partial(conv_silu, mode=mode), partial(gated_delta_raw, mode=mode),
                             qkv, window, conv_w, a, b, A_log, dt_bias, state, heads,
                             keep_states)  # fmt: skip

@@ -9,6 +9,7 @@ each row bitwise the single-position result; ``RowPolicy`` finds that out per op
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 
@@ -425,6 +426,27 @@ class Qwen35Target:
                                 self.mode) for t in range(T)], axis=1)  # fmt: skip
         return policy.rows(post, (h, o), verify, (sig, "post"), not self.unprobed[i])
 
+    @property
+    def graph_lengths(self) -> frozenset[tuple[int, bool]]:
+        """The (positions, verify) forwards that now run as one compiled graph."""
+        return frozenset(self._graph_ready)
+
+    def retrace(self) -> None:
+        """Forget every traced function and graph: the next passes trace what the model code
+        (and the functions it calls) now are. For probes that swap a part out and back."""
+        self.functions = LayerFunctions(self.options.compile)
+        self._graphs.clear()
+        self._graph_ready.clear()
+
+    def with_options(self, options: Options) -> Qwen35Target:
+        """This target (the same weights, fused products and row policy) under ``options``'
+        compile and graph settings, with its own traces."""
+        out = copy.copy(self)
+        out.options = options
+        out._graphs, out._graph_ready = {}, set()
+        out.functions = LayerFunctions(options.compile)
+        return out
+
     def forward(self, tokens: mx.array, cache: list, *, verify: bool = False) -> ForwardOut:
         """Run tokens [B, T] through the decoder, appending to ``cache``.
 
@@ -452,8 +474,9 @@ class Qwen35Target:
             if every and (i + 1) % every == 0:
                 mx.async_eval(h)
         self.functions.end(T)
-        if compiled and self._pass_native and not self.policy.probed and not any(
-            self.routed_on_gpu
+        if (
+            self.options.graph and compiled and self._pass_native and not self.policy.probed
+            and not any(self.routed_on_gpu)
         ):  # fmt: skip
             self._graph_ready.add((T, verify))
         return ForwardOut(self.text.model.norm(h), traces if verify else None)
