@@ -516,6 +516,11 @@ def bench(
         _write(markdown)
 
 
+# The flag of each API input an error can be about (``MtpError.param``).
+FLAGS = {"temp": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
+         "max_tokens": "--max-tokens"}  # fmt: skip
+
+
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code. Our errors become one red line on stderr; usage
     errors get Typer's own message and exit 2; Ctrl-C exits 130."""
@@ -527,7 +532,7 @@ def run(argv: list[str] | None = None) -> int:
     except MtpError as e:
         if state["debug"]:
             raise
-        _error(str(e))
+        _error(f"{FLAGS.get(e.param, e.param)} {e.message}" if e.param else str(e))
         return e.exit_code
     except KeyboardInterrupt:  # outside a command: while parsing or importing
         _error("interrupted")

@@ -7,9 +7,20 @@ from __future__ import annotations
 
 
 class MtpError(Exception):
-    """Base class of every error this tool reports to a user."""
+    """Base class of every error this tool reports to a user.
+
+    ``param``: the input it is about, by its Python API name (``temp``, ``max_tokens``); the
+    message then reads after that name, and each front end puts its own name for the input
+    before it (the CLI its flag, the server its JSON field). ``str()`` uses the API name."""
 
     exit_code = 1
+
+    def __init__(self, message: str = "", *, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+    def __str__(self) -> str:
+        return f"{self.param} {self.message}" if self.param else self.message
 
 
 class ModelNotFoundError(MtpError):

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import check_room
-from .engine.sampling import MAX_TEMP, MIN_TEMP, SamplingParams
-from .errors import ContextTooLongError, MtpError, ServeError, UsageError
+from .engine.sampling import SamplingParams
+from .errors import ContextTooLongError, MtpError, SamplingError, ServeError, UsageError
 from .generation import GenerateResult, generate
 from .loading import Loaded
 from .tokenizer import encode_messages, encode_prompt
@@ -158,19 +158,26 @@ def _number(body: dict, name: str, default: float) -> float:
     return float(value)
 
 
+# The request field of each generate() input an error can be about.
+FIELDS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+          "max_tokens": "max_tokens"}  # fmt: skip
+
+
+def _refused(e: MtpError, status: int = 400, **kw) -> BadRequest:
+    """Our error as the request's refusal, worded with the request's field names."""
+    field = FIELDS.get(e.param or "", e.param)
+    message = f"'{field}' {e.message}" if field else str(e)
+    return BadRequest(status, message, kw.pop("param", field), **kw)
+
+
 def _sampling(body: dict) -> SamplingParams:
-    """temperature, top_p, top_k and min_p, each checked here so a refusal names its field."""
-    temp = _number(body, "temperature", 0.0)
-    if not (temp == 0 or MIN_TEMP <= temp <= MAX_TEMP):
-        raise BadRequest(400, f"'temperature' must be 0 (greedy) or in [{MIN_TEMP:g}, "
-                         f"{MAX_TEMP:g}], got {temp!r}", "temperature")  # fmt: skip
-    top_p, min_p = _number(body, "top_p", 1.0), _number(body, "min_p", 0.0)
-    if not 0 < top_p <= 1:
-        raise BadRequest(400, f"'top_p' must be in (0, 1], got {top_p!r}", "top_p")
-    if not 0 <= min_p <= 1:
-        raise BadRequest(400, f"'min_p' must be in [0, 1], got {min_p!r}", "min_p")
-    top_k = _int(body, "top_k", 0, 0, 2**31 - 1)
-    return SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    """temperature, top_p, top_k and min_p: numbers here, their ranges SamplingParams' own."""
+    temp, top_p = _number(body, "temperature", 0.0), _number(body, "top_p", 1.0)
+    min_p, top_k = _number(body, "min_p", 0.0), _int(body, "top_k", 0, 0, 2**31 - 1)
+    try:
+        return SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    except SamplingError as e:
+        raise _refused(e) from e
 
 
 def _stream_fields(body: dict) -> None:
@@ -326,9 +333,8 @@ class Server:
             ids = await run_in_threadpool(encode)
             check_room(self.decoder.loaded.target, len(ids), max_tokens)
         except ContextTooLongError as e:
-            message = str(e).replace("--max-tokens", "max_tokens")
-            raise BadRequest(400, message, "messages" if chat else "prompt",
-                             code="context_length_exceeded") from e  # fmt: skip
+            raise _refused(e, param="messages" if chat else "prompt",
+                           code="context_length_exceeded") from e  # fmt: skip
         except MtpError as e:
             raise BadRequest(400, str(e), "messages" if chat else "prompt") from e
         if not ids:

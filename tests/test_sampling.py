@@ -141,3 +141,16 @@ def test_the_finite_check_reads_the_array_without_an_operation(monkeypatch):
     sampling.check_finite(lse, 0, rows=2)
     with pytest.raises(sampling.NonFiniteOutputError):
         sampling.check_finite(lse, 0)
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"temp": -1.0}, "temp"), ({"top_p": 0.0}, "top_p"), ({"top_k": -1}, "top_k"),
+    ({"min_p": 2.0}, "min_p"),
+])  # fmt: skip
+def test_a_sampling_error_names_its_input_by_the_api_name(kw, param):
+    """Checked once, in SamplingParams; the message names no flag or field (the CLI puts its
+    flag before it, the server its field), and ``str()`` reads with the API name."""
+    with pytest.raises(sampling.SamplingError) as e:
+        SamplingParams(**kw)
+    assert e.value.param == param and "--" not in e.value.message
+    assert str(e.value).startswith(f"{param} must")

@@ -35,9 +35,10 @@ def check_room(target: Target, prompt_tokens: int, max_tokens: int) -> None:
     limit = target.config.text.max_position_embeddings
     if prompt_tokens + max_tokens > limit:
         raise ContextTooLongError(
-            f"the prompt ({prompt_tokens} tokens) plus --max-tokens ({max_tokens}) exceeds the "
-            f"model's {limit} positions (max_position_embeddings); ask for at most "
-            f"{max(limit - prompt_tokens, 0)} tokens or shorten the prompt"
+            f"({max_tokens}) plus the prompt ({prompt_tokens} tokens) exceeds the model's "
+            f"{limit} positions (max_position_embeddings); ask for at most "
+            f"{max(limit - prompt_tokens, 0)} tokens or shorten the prompt",
+            param="max_tokens",
         )
 
 

@@ -23,16 +23,18 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
+        # Checked here once for every caller; each front end names the input its own way.
         if not (self.temp == 0 or MIN_TEMP <= self.temp <= MAX_TEMP):
             raise SamplingError(
-                f"--temp must be 0 (greedy) or in [{MIN_TEMP:g}, {MAX_TEMP:g}], got {self.temp}"
+                f"must be 0 (greedy) or in [{MIN_TEMP:g}, {MAX_TEMP:g}], got {self.temp!r}",
+                param="temp",
             )
         if not 0 < self.top_p <= 1:
-            raise SamplingError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise SamplingError(f"must be in (0, 1], got {self.top_p!r}", param="top_p")
         if self.top_k < 0:
-            raise SamplingError(f"--top-k must be >= 0, got {self.top_k}")
+            raise SamplingError(f"must be >= 0, got {self.top_k!r}", param="top_k")
         if not 0 <= self.min_p <= 1:
-            raise SamplingError(f"--min-p must be in [0, 1], got {self.min_p}")
+            raise SamplingError(f"must be in [0, 1], got {self.min_p!r}", param="min_p")
 
     @property
     def greedy(self) -> bool:
