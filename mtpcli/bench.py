@@ -595,7 +595,7 @@ def run(
     from .loading import load_pair
 
     for b in blocks:
-        check_block_size(b, "--block-size")
+        check_block_size(b)
     for q in draft_quantize:
         check_quantize(q)
     if simulate is not None and not 0 <= simulate <= 1:

@@ -194,7 +194,7 @@ def _load(model, draft_model, draft_kind, draft_block_size, draft_quantize, opti
     from .loading import load_pair
 
     if draft_block_size is not None:
-        check_block_size(draft_block_size, "--draft-block-size")
+        check_block_size(draft_block_size)  # before minutes of loading; generate() checks too
     if draft_quantize is not None:
         check_quantize(draft_quantize)
     if model is None:
@@ -405,12 +405,10 @@ def extract_drafter_cmd(
     group_size: int = typer.Option(64, "--group-size", help="With --quantize: 32, 64 or 128."),
 ) -> None:
     """Split the MTP head of a raw checkpoint into a standalone qwen3_5_mtp drafter."""
-    from .config import check_block_size
     from .extract import extract_drafter
     from .loading import resolve_path
 
-    if block_size is not None:
-        check_block_size(block_size, "--block-size")
+    state["flags"] = {"block_size": "--block-size", "quantize": "--quantize"}
     written = extract_drafter(resolve_path(str(src), "checkpoint"), out, block_size, quantize,
                               group_size)  # fmt: skip
     err.print(f"wrote drafter to {written}")
@@ -467,6 +465,7 @@ def bench(
     ),
 ) -> None:
     """Classic vs MTP decoding side by side, with the verify-cost table (medians, min-max)."""
+    state["flags"] = {"block_size": "--block-size"}
     from rich.progress import Progress
 
     from . import bench as B
@@ -518,7 +517,7 @@ def bench(
 
 # The flag of each API input an error can be about (``MtpError.param``).
 FLAGS = {"temp": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
-         "max_tokens": "--max-tokens"}  # fmt: skip
+         "max_tokens": "--max-tokens", "block_size": "--draft-block-size"}  # fmt: skip
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -532,7 +531,8 @@ def run(argv: list[str] | None = None) -> int:
     except MtpError as e:
         if state["debug"]:
             raise
-        _error(f"{FLAGS.get(e.param, e.param)} {e.message}" if e.param else str(e))
+        flags = FLAGS | state.get("flags", {})  # a command's own names for its inputs
+        _error(f"{flags.get(e.param, e.param)} {e.message}" if e.param else str(e))
         return e.exit_code
     except KeyboardInterrupt:  # outside a command: while parsing or importing
         _error("interrupted")

@@ -21,10 +21,11 @@ from .files import read_bounded
 BLOCK_MIN, BLOCK_MAX = 2, 16
 
 
-def check_block_size(value: int, what: str = "block size") -> int:
-    """``value`` if it is a block size we run, else a usage error naming ``what`` (a flag)."""
+def check_block_size(value: int, param: str = "block_size") -> int:
+    """``value`` if it is a block size we run (tokens a round, the pending one included), else
+    a usage error about the input ``param`` (its API name; front ends name it their way)."""
     if isinstance(value, bool) or not isinstance(value, int) or not BLOCK_MIN <= value <= BLOCK_MAX:
-        raise UsageError(f"{what} must be in [{BLOCK_MIN}, {BLOCK_MAX}], got {value!r}")
+        raise UsageError(f"must be in [{BLOCK_MIN}, {BLOCK_MAX}], got {value!r}", param=param)
     return value
 
 

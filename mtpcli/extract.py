@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .config import TARGET_TYPES, load_config, read_json_object
+from .config import TARGET_TYPES, check_block_size, load_config, read_json_object
 from .drafters.qwen3_5_mtp import Qwen35MTP, check_quantize, quantize_drafter
 from .errors import BadCheckpointError, MtpError, OutputError, UsageError
 from .files import check_output_dir, written_dir
@@ -48,6 +48,8 @@ def extract_drafter(src: Path, out: Path, block_size: int | None = None,
     """Write ``out`` as a qwen3_5_mtp drafter made from the raw ``src`` checkpoint's MTP head
     (its files found through the shard index; block-FP8 weights dequantized with their
     scales), in bf16, or quantized to ``quantize`` bits in the mlx-community layout."""
+    if block_size is not None:
+        check_block_size(block_size)
     config = load_config(src)
     if config.model_type not in TARGET_TYPES:
         raise UsageError(f"{src} is a {config.model_type} model; expected a raw qwen3_5 checkpoint")

@@ -32,6 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import kernels
+from .config import BLOCK_MAX, BLOCK_MIN
 from .errors import MtpError
 from .files import read_bounded
 from .options import Options
@@ -208,7 +209,8 @@ def _valid_calibration(c) -> bool:
         and bool(rounds)
         # ASCII digits only: "²".isdigit() is true, and int() refuses it
         and all(
-            b.isascii() and b.isdigit() and 2 <= int(b) <= 16 and _ms(v) for b, v in rounds.items()
+            b.isascii() and b.isdigit() and BLOCK_MIN <= int(b) <= BLOCK_MAX and _ms(v)
+            for b, v in rounds.items()
         )
     )
 

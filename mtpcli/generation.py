@@ -144,7 +144,7 @@ def generate(
     if max_tokens < 1:
         raise UsageError(f"max_tokens must be at least 1, got {max_tokens}")
     if block_size is not None:
-        check_block_size(block_size, "--draft-block-size")
+        check_block_size(block_size)
         if pair.drafter is None:
             raise UsageError("--draft-block-size needs a drafter: give --draft-model, and not "
                              "--draft-kind none")  # fmt: skip
