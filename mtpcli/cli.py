@@ -517,7 +517,8 @@ def bench(
 
 # The flag of each API input an error can be about (``MtpError.param``).
 FLAGS = {"temp": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
-         "max_tokens": "--max-tokens", "block_size": "--draft-block-size"}  # fmt: skip
+         "max_tokens": "--max-tokens", "block_size": "--draft-block-size",
+         "force_mtp": "--draft-kind mtp", "kernels": "--kernels", "qmm": "--qmm"}  # fmt: skip
 
 
 def run(argv: list[str] | None = None) -> int:

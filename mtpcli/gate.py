@@ -369,7 +369,7 @@ def gate(
     calibration (a few short generations) and of any problem with the cache.
     """
     if forced:
-        return GateDecision(True, block, "forced by --draft-kind mtp", None)
+        return GateDecision(True, block, "forced: MTP runs whatever the cost model expects", None)
     blocks = sorted({block, *ADAPT_BLOCKS}) if adapt else [block]
     st = store()
     key = machine_key(target.options) + "#" + shape_key(target, drafter)

@@ -142,14 +142,15 @@ def generate(
     those of classic decoding whatever the gate decides.
     """
     if max_tokens < 1:
-        raise UsageError(f"max_tokens must be at least 1, got {max_tokens}")
+        raise UsageError(f"must be at least 1, got {max_tokens}", param="max_tokens")
     if block_size is not None:
         check_block_size(block_size)
         if pair.drafter is None:
-            raise UsageError("--draft-block-size needs a drafter: give --draft-model, and not "
-                             "--draft-kind none")  # fmt: skip
+            raise UsageError("needs a drafter, and the pair has none (no draft model given, or "
+                             "draft kind none)", param="block_size")  # fmt: skip
     if force_mtp and pair.drafter is None:
-        raise UsageError("--draft-kind mtp needs --draft-model (a qwen3_5_mtp drafter)")
+        raise UsageError("needs a drafter, and the pair has none (no draft model given, or "
+                         "draft kind none)", param="force_mtp")  # fmt: skip
     tokenizer, target = pair.tokenizer, pair.target
     if isinstance(prompt, str):
         ids = encode_prompt(tokenizer, prompt, system_prompt, not chat_template)

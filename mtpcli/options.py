@@ -36,9 +36,11 @@ class Options:
 
     def __post_init__(self) -> None:
         if self.kernels not in MODES:
-            raise UsageError(f"--kernels must be one of {', '.join(MODES)}, got {self.kernels!r}")
+            raise UsageError(f"must be one of {', '.join(MODES)}, got {self.kernels!r}",
+                             param="kernels")  # fmt: skip
         if self.qmm not in QMM_CHOICES:
-            raise UsageError(f"--qmm must be one of {', '.join(QMM_CHOICES)}, got {self.qmm!r}")
+            raise UsageError(f"must be one of {', '.join(QMM_CHOICES)}, got {self.qmm!r}",
+                             param="qmm")  # fmt: skip
         for name in ("compile", "graph"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"{name} must be True or False, got {getattr(self, name)!r}")
