@@ -178,9 +178,9 @@ def count_round(target: Target, drafter: Drafter, block_size: int = 3,
         mx.eval(parts["drafts"])
         block = mx.concatenate([mx.array([pending], drafts.dtype), drafts])[None]  # [1, k+1]
         out = target.forward(block, tcache, verify=True)
-        verdict, lse = greedy_verdict(positions(target.lm_head(out.hidden, exact=True)), drafts)
+        verdict = greedy_verdict(positions(target.lm_head(out.hidden, exact=True)), drafts)
         traced = [a for t in out.traces if t is not None for a in (t.conv_input, t.states)]
-        parts["verify"] = [verdict, lse, out.hidden, *traced, *all_cache_arrays(tcache)]
+        parts["verify"] = [verdict, out.hidden, *traced, *all_cache_arrays(tcache)]
         if i == WARM:
             counted["verify"] = graph(parts["verify"])
         mx.eval(parts["verify"])

@@ -10,7 +10,7 @@ import mlx.core as mx
 from ..models import Target
 from ..stats import GenerationStats
 from . import check_room, first_logits, prompt_array
-from .sampling import SamplingParams, check_finite, pick, pick_checked
+from .sampling import SamplingParams, check_finite, pick, pick_checked, readback
 
 
 def generate_classic(
@@ -32,8 +32,9 @@ def generate_classic(
     cache = target.make_cache()
     start = time.perf_counter()
     hidden = target.prefill(tokens, cache, on_prefill)
-    y, lse = pick(first_logits(target, hidden), sampling), None  # first_logits checked these
-    mx.eval(y)
+    y = pick(first_logits(target, hidden), sampling)  # first_logits checked these logits
+    seen = readback(y, mx.zeros((1,)))  # [2]: the token, and a finite stand-in
+    mx.eval(y, seen)
     stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
     start = time.perf_counter()
     n = 0
@@ -42,11 +43,12 @@ def generate_classic(
             # Queue the next step before reading this token, so the device never waits on Python.
             if n + 1 < max_tokens:
                 out = target.forward(y.reshape(1, 1), cache)
-                y_next, lse_next = pick_checked(target.lm_head(out.hidden)[0, -1], sampling)
-                mx.async_eval(y_next, lse_next)
-            token = int(y.item())
-            if lse is not None:
-                check_finite(lse, n)
+                y_next, lse = pick_checked(target.lm_head(out.hidden)[0, -1], sampling)
+                seen_next = readback(y_next, lse)  # [2]: the token and its logsumexp
+                mx.async_eval(y_next, seen_next)
+            token, lse_read = seen.tolist()  # one read, of this step's own outputs
+            check_finite([lse_read], n)
+            token = int(token)
             if token in eos:
                 return
             yield token
@@ -54,7 +56,7 @@ def generate_classic(
             stats.generation_tokens, stats.generation_s = n, time.perf_counter() - start
             if n >= max_tokens:
                 return
-            y, lse = y_next, lse_next
+            y, seen = y_next, seen_next
     finally:
         stats.generation_s = time.perf_counter() - start
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -94,17 +95,18 @@ def pick_checked(logits: mx.array, s: SamplingParams) -> tuple[mx.array, mx.arra
             mx.logsumexp(logits, axis=-1, keepdims=True))  # fmt: skip
 
 
-def _flat(values) -> list[float]:
-    return [x for v in values for x in _flat(v)] if isinstance(values, list) else [values]
+def readback(ids: mx.array, lse: mx.array) -> mx.array:
+    """What the host reads of a step: its token ids then their logsumexps, one float32 array
+    [2 n] (ids below 2^24 are exact in float32), built into the step before it is submitted,
+    so that one read brings both: an operation made after the next step was queued (a reshape
+    of the logsumexp to read it) would wait for that step."""
+    return mx.concatenate([ids.astype(mx.float32).reshape(-1), lse.astype(mx.float32).reshape(-1)])
 
 
-def check_finite(lse: mx.array, position: int, rows: int | None = None) -> None:
-    """Stop on a NaN or +Inf logit (``lse`` from ``pick_checked``, already computed): decoding
-    past one prints garbage with a clean exit. ``position`` counts generated tokens; ``rows``:
-    only the first rows count. Reads ``lse`` as it is: an operation on it (a reshape, a slice)
-    would queue behind the step already submitted and wait for it."""
-    values = _flat(lse.tolist()[:rows] if rows is not None else lse.tolist())
-    if not all(math.isfinite(v) for v in values):
+def check_finite(lse: Sequence[float], position: int) -> None:
+    """Stop on a NaN or +Inf logit (``lse``: logsumexps already read back, see ``readback``):
+    decoding past one prints garbage with a clean exit. ``position`` counts generated tokens."""
+    if not all(math.isfinite(v) for v in lse):
         raise NonFiniteOutputError(
             f"the target's logits at generated token {position} are not finite (NaN or Inf): "
             "its weights are damaged or were converted wrongly (an embedding row, a norm); "
@@ -120,12 +122,12 @@ def accept_greedy(drafts: list[int], targets: list[int]) -> int:
     return n
 
 
-def greedy_verdict(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
-    """The target's tokens at the k+1 verified positions followed by the k drafts: [2k+1]
-    (one array, so the host reads a round's verdict in one wait), and the positions'
-    logsumexps [k+1, 1] for ``check_finite``."""
+def greedy_verdict(logits: mx.array, drafts: mx.array) -> mx.array:
+    """A round's verdict as the host reads it, in one wait: the target's tokens at the k+1
+    verified positions, the k drafts, the positions' k+1 logsumexps (for ``check_finite``),
+    float32 [3k+2]."""
     tokens, lse = greedy_checked(logits)
-    return mx.concatenate([tokens, drafts.astype(mx.uint32)]), lse
+    return readback(mx.concatenate([tokens, drafts.astype(mx.uint32)]), lse)
 
 
 def accept(
@@ -134,16 +136,16 @@ def accept(
     """One round's verdict from the target logits [k+1, V] and the drafts [k] (token ids):
     (accepted drafts, next token). The positions whose tokens are emitted must have finite
     logits, as classic decoding checks them (``position``: tokens generated before)."""
+    k = drafts.shape[0]
     if s.greedy:
-        verdict, lse = greedy_verdict(logits, drafts)
-        both = verdict.tolist()
-        k = drafts.shape[0]
-        n = accept_greedy(both[k + 1 :], both[: k + 1])
-        out = n, both[n]
+        values = greedy_verdict(logits, drafts).tolist()
+        ids, lse = [int(v) for v in values[: 2 * k + 1]], values[2 * k + 1 :]
+        n = accept_greedy(ids[k + 1 :], ids[: k + 1])
+        out = n, ids[n]
     else:
-        lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+        lse = mx.logsumexp(logits, axis=-1).astype(mx.float32).tolist()  # the round is read
         out = accept_sampled(probs(logits, s), q, drafts)
-    check_finite(lse, position, rows=out[0] + 1)
+    check_finite(lse[: out[0] + 1], position)
     return out
 
 
