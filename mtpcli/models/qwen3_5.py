@@ -15,7 +15,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3_5, qwen3_5_moe
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache
@@ -32,94 +31,10 @@ from ..weights import load_arrays, load_module_weights, read_inventory
 from . import ForwardOut, GatedDeltaTrace
 from .kv_cache import GraphKV, RowsKVCache
 from .quantized_layers import FusedProjection, install, linear_add
+from .row_policy import RowPolicy, dense
 
 PREFILL_CHUNK = 2048
 COMPILE_MAX_T = 16  # decode steps and verify blocks; a prompt's length would trace once per use
-
-
-class RowPolicy:
-    """Run a verify block's op batched only where that is bitwise the one-position result.
-
-    The first ``CONFIRM`` times an op class (its parameter shapes and dtypes, T, input dtype)
-    meets a block, both ways are computed and the one-position result is used; the class runs
-    batched only after every comparison was bitwise equal, and never after one differed.
-    MLX's CPU backend turns out row-invariant throughout; on CUDA, bf16 matmuls are not, while
-    the 4- and 8-bit ones are for up to 7 rows (measured, docs/design.md). A class that is not
-    to be probed (``probe=False``) always runs position by position.
-    """
-
-    CONFIRM = 3
-
-    def __init__(self) -> None:
-        self.verdicts: dict[tuple, bool] = {}  # settled: True = batched is exact here
-        self._seen: dict[tuple, int] = {}  # equal comparisons so far, per unsettled class
-        self._sigs: dict[int, tuple] = {}  # id(module) -> (module, signature)
-        self._classes: dict[tuple, int] = {}  # op class -> its signature
-        self.probed = False  # whether a comparison ran since the owner last cleared this
-
-    def signature(self, module: nn.Module) -> int:
-        """The module's op class (its type, bits, parameter names, shapes and dtypes) as a small
-        number: keys made of it hash at once, where the class itself (a tuple of tuples, whose
-        hash Python does not keep) is hashed anew at every lookup, dozens a verify."""
-        entry = self._sigs.get(id(module))
-        if entry is None:
-            params = tree_flatten(module.parameters())
-            shapes = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in params)
-            op_class = (type(module).__name__, getattr(module, "bits", None), shapes)
-            # The module is kept in the entry, so its id cannot be reused while cached.
-            entry = (module, self._classes.setdefault(op_class, len(self._classes)))
-            self._sigs[id(module)] = entry
-        return entry[1]
-
-    def op_class(self, signature: int) -> tuple:
-        """What ``signature`` stands for: (type name, bits, ((name, shape, dtype), ...))."""
-        return next(c for c, s in self._classes.items() if s == signature)
-
-    def choose(self, key: tuple, batched: Callable, single: Callable, probe: bool = True):
-        """``single()`` (the one-position arithmetic) until ``batched()`` settled as equal to it."""
-        if not probe:
-            return single()
-        ok = self.verdicts.get(key)
-        if ok:
-            return batched()
-        out = single()
-        if ok is None:
-            self.probed = True
-            if _equal(batched(), out):
-                self._seen[key] = self._seen.get(key, 0) + 1
-                if self._seen[key] >= self.CONFIRM:
-                    self.verdicts[key] = True
-            else:
-                self.verdicts[key] = False
-        return out
-
-    def rows(self, fn: Callable, xs: tuple, exact: bool, sig: tuple, probe: bool = True):
-        """``fn`` over inputs [B, T, ...]: batched, or position by position where rows differ.
-        ``sig`` names the op class (see ``signature``); ``fn`` may return a tuple."""
-        T = xs[0].shape[1]
-        if not exact or T == 1:
-            return fn(*xs)
-
-        def single():
-            outs = [fn(*(x[:, t : t + 1] for x in xs)) for t in range(T)]
-            if isinstance(outs[0], tuple):
-                return tuple(mx.concatenate(part, axis=1) for part in zip(*outs, strict=True))
-            return mx.concatenate(outs, axis=1)
-
-        return self.choose((sig, T, str(xs[0].dtype)), lambda: fn(*xs), single, probe)
-
-
-def _dense(module: nn.Module) -> bool:
-    """Whether ``module`` runs an unquantized matmul (a Linear, or a tied Embedding as head)."""
-    if isinstance(module, nn.Embedding):
-        return True
-    return any(isinstance(m, nn.Linear) for _, m in module.named_modules())
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, tuple):
-        return all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    return bool(mx.array_equal(a, b).item())
 
 
 def _gated_delta(m: qwen3_5.GatedDeltaNet, h, norm, conv_state, state, keep: bool, mode: str,
@@ -296,9 +211,9 @@ class Qwen35Target:
         # can pass and a later block differ (docs/supported-models.md). They run position by
         # position in a verify, as decode.
         self.unprobed = [
-            r or (gpu and _dense(ly)) for r, ly in zip(self.routed_on_gpu, self.layers, strict=True)
+            r or (gpu and dense(ly)) for r, ly in zip(self.routed_on_gpu, self.layers, strict=True)
         ]
-        self.head_unprobed = gpu and _dense(self._head()[0])
+        self.head_unprobed = gpu and dense(self._head()[0])
 
     def _fuse(self) -> tuple[dict, dict]:
         """Per layer: the input projections (gated-delta: qkv, z, b, a; attention: q, k, v),
