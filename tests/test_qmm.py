@@ -70,13 +70,14 @@ def test_qmm_auto_picks_ours_on_cuda_only(monkeypatch):
 def test_options_are_validated_once_when_made():
     from mtpcli.errors import UsageError
 
-    for bad, flag in (
-        ({"qmm": "fast"}, "--qmm"),
-        ({"kernels": "fast"}, "--kernels"),
+    for bad, name in (
+        ({"qmm": "fast"}, "qmm"),
+        ({"kernels": "fast"}, "kernels"),
         ({"submit_every": -1}, "submit_every"),
         ({"compile": "on"}, "compile"),
+        ({"graph": 1}, "graph"),
     ):
-        with pytest.raises(UsageError, match=flag):
+        with pytest.raises(UsageError, match=f"^{name} must"):  # the API's name (the CLI's flag)
             Options(**bad)
 
 
