@@ -207,6 +207,17 @@ def test_bad_requests_get_a_json_error_and_disturb_nothing(server, reference, bo
     assert ok.json()["choices"][0]["text"] == reference(PROMPTS[1], False, 8)["text"]
 
 
+def _wait_until_cancelled(server: str, before: int, seconds: float) -> None:
+    """Until /health counts one more cancelled request and nothing decoding, or fail."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        health = httpx.get(f"{server}/health").json()
+        if health["cancelled"] > before and not health["decoding"]:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"the abandoned request kept decoding: {health}")
+
+
 def test_a_client_that_leaves_mid_stream_stops_its_decoding(server, reference):
     before = httpx.get(f"{server}/health").json()["cancelled"]
     body = {"model": "example", "prompt": PROMPTS[0], "max_tokens": 3000, "stream": True}
@@ -215,14 +226,7 @@ def test_a_client_that_leaves_mid_stream_stops_its_decoding(server, reference):
         got = [line for line, _ in zip(lines, range(6), strict=False) if line]
         assert got and got[0].startswith("data: {")
     # the connection is closed with ~3000 tokens to go; the decoder notices and moves on
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        health = httpx.get(f"{server}/health").json()
-        if health["cancelled"] > before and not health["decoding"]:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"the abandoned request kept decoding: {health}")
+    _wait_until_cancelled(server, before, 60)
     ok = httpx.post(f"{server}/v1/completions", timeout=120,
                     json={"model": "example", "prompt": PROMPTS[3], "max_tokens": 12})  # fmt: skip
     assert ok.json()["choices"][0]["text"] == reference(PROMPTS[3], False, 12)["text"]
@@ -316,14 +320,7 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_the_decoder(server, ref
     body = {"model": "example", "prompt": PROMPTS[0], "max_tokens": 3000}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json=body, timeout=1.5)
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        health = httpx.get(f"{server}/health").json()
-        if health["cancelled"] > before and not health["decoding"]:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"the abandoned request kept decoding: {health}")
+    _wait_until_cancelled(server, before, 30)
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)],
