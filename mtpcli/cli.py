@@ -408,7 +408,7 @@ def extract_drafter_cmd(
     from .extract import extract_drafter
     from .loading import resolve_path
 
-    state["flags"] = {"block_size": "--block-size", "quantize": "--quantize"}
+    state["flags"] = {"block_size": "--block-size"}
     written = extract_drafter(resolve_path(str(src), "checkpoint"), out, block_size, quantize,
                               group_size)  # fmt: skip
     err.print(f"wrote drafter to {written}")

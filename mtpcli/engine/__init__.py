@@ -11,9 +11,6 @@ from ..errors import (
     UsageError,
 )
 from ..models import Target
-from ..stats import GenerationStats, MTPStats
-
-__all__ = ["GenerationStats", "MTPStats", "check_room", "first_logits", "prompt_array"]
 
 
 def prompt_array(prompt) -> mx.array:

@@ -10,7 +10,7 @@ import mlx.core as mx
 from ..models import Target
 from ..stats import GenerationStats
 from . import check_room, first_logits, prompt_array
-from .sampling import SamplingParams, check_finite, pick, pick_checked, readback
+from .sampling import SamplingParams, check_finite, pick_checked, readback
 
 
 def generate_classic(
@@ -32,8 +32,8 @@ def generate_classic(
     cache = target.make_cache()
     start = time.perf_counter()
     hidden = target.prefill(tokens, cache, on_prefill)
-    y = pick(first_logits(target, hidden), sampling)  # first_logits checked these logits
-    seen = readback(y, mx.zeros((1,)))  # [2]: the token, and a finite stand-in
+    y, lse = pick_checked(first_logits(target, hidden), sampling)
+    seen = readback(y, lse)  # [2]: the token and its logsumexp
     mx.eval(y, seen)
     stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
     start = time.perf_counter()
