@@ -305,8 +305,8 @@ class GateStore:
                 tmp = None
         except (OSError, LockError) as e:
             change(self.data)  # this run still uses it; the next one measures again
-            self._note(f"not written ({getattr(e, 'strerror', None) or e}); "
-                       "the next run measures again")  # fmt: skip
+            why = e.strerror if isinstance(e, OSError) and e.strerror else e
+            self._note(f"not written ({why}); the next run measures again")
         finally:
             if tmp is not None:
                 with contextlib.suppress(OSError):
