@@ -19,50 +19,44 @@ from .models.qwen3_5 import Qwen35Target, build_model
 from .options import Options
 from .weights import cpu_expert_upcast
 
+# What every member of the family shares: the head dimensions, the gated-delta convolution, one
+# full-attention layer in four and one MTP layer.
+_FAMILY = {
+    "head_dim": 256, "rms_norm_eps": 1e-6, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+    "mtp_num_hidden_layers": 1,
+}  # fmt: skip
+_TINY_WIDTHS = {
+    "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "vocab_size": 1024, "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+}  # fmt: skip
+
 SHAPES: dict[str, dict] = {
     # Qwen3.8-27B (and Qwen3.5-27B): ../shared/reference/qwen3_5_mtp.md. Every shape gets the
     # published rope settings and the other config fields from fixtures.full_text_config.
-    "qwen3.8-27b": {
+    "qwen3.8-27b": _FAMILY | {
         "hidden_size": 5120, "num_hidden_layers": 64, "intermediate_size": 17408,
-        "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
-        "rms_norm_eps": 1e-6, "vocab_size": 248320, "linear_num_value_heads": 48,
-        "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
+        "num_attention_heads": 24, "num_key_value_heads": 4, "vocab_size": 248320,
+        "linear_num_value_heads": 48, "linear_num_key_heads": 16,
     },
     # A small dense member of the family (Qwen3.5-2B-like).
-    "qwen3.5-small": {
+    "qwen3.5-small": _FAMILY | {
         "hidden_size": 2048, "num_hidden_layers": 24, "intermediate_size": 6144,
-        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
-        "rms_norm_eps": 1e-6, "vocab_size": 248320, "linear_num_value_heads": 16,
-        "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
-        "tie_word_embeddings": True,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 248320,
+        "linear_num_value_heads": 16, "linear_num_key_heads": 16, "tie_word_embeddings": True,
     },
     # A 35B-A3B-like MoE member (256 experts, 8 routed + 1 shared per token; ~35B weights, ~3B
     # active): the hybrid layout of the family with sparse MLPs.
-    "qwen3.5-35b-a3b": {
-        "hidden_size": 2048, "num_hidden_layers": 40,
-        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
-        "rms_norm_eps": 1e-6, "vocab_size": 248320, "linear_num_value_heads": 32,
-        "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
-        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512,
+    "qwen3.5-35b-a3b": _FAMILY | {
+        "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+        "num_key_value_heads": 2, "vocab_size": 248320, "linear_num_value_heads": 32,
+        "linear_num_key_heads": 16, "num_experts": 256, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
     },
     # Small enough for a CPU smoke test, with the real head dimensions.
-    "tiny": {
-        "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 256,
-        "rms_norm_eps": 1e-6, "vocab_size": 1024, "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
-    },
-    "tiny-moe": {
-        "hidden_size": 256, "num_hidden_layers": 4,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 256,
-        "rms_norm_eps": 1e-6, "vocab_size": 1024, "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
+    "tiny": _FAMILY | _TINY_WIDTHS | {"intermediate_size": 512},
+    "tiny-moe": _FAMILY | _TINY_WIDTHS | {
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
         "shared_expert_intermediate_size": 128,
     },

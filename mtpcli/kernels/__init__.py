@@ -127,13 +127,20 @@ def launch_bounds(warps: int, min_blocks: int) -> str:
             f"__launch_bounds__({32 * warps}, {min_blocks})\n")  # fmt: skip
 
 
-def built(cache: dict, key: tuple, cuda: Callable[[], object], metal: Callable[[], object]):
-    """A kernel module's kernel ``key`` for the running backend, built once by that backend's
-    builder; None where the backend has none (the CPU)."""
+def built(cache: dict, key: tuple, spec: Callable[[bool], dict | tuple[dict, ...]]):
+    """A kernel module's kernel ``key`` for the running backend, built once from
+    ``spec(metal)`` (the keyword arguments of ``mx.fast.cuda_kernel`` / ``metal_kernel``, or a
+    tuple of them for a module of several launches); None where the backend has none (the CPU).
+    """
     full = (backend(), _graph_as is not None, *key)
     if full not in cache:
-        build = {"cuda": cuda, "metal": metal}.get(full[0])
-        cache[full] = build() if build else None
+        make = {"cuda": cuda_kernel, "metal": metal_kernel}.get(full[0])
+        if make is None or not available(full[0]):
+            cache[full] = None
+        else:
+            specs = spec(full[0] == "metal")
+            cache[full] = (tuple(make(**one) for one in specs) if isinstance(specs, tuple)
+                           else make(**specs))  # fmt: skip
     return cache[full]
 
 

@@ -14,19 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import (
-    RCP1,
-    available,
-    backend,
-    built,
-    constant,
-    cuda_kernel,
-    fill,
-    kernel_name,
-    metal_kernel,
-    spell,
-    use_native,
-)
+from . import RCP1, backend, built, constant, fill, kernel_name, spell, use_native
 
 
 def conv_silu_ops(x: mx.array, window: mx.array, weight: mx.array):
@@ -107,20 +95,8 @@ def _spec(source: str) -> dict:
     }
 
 
-def _build_cuda():
-    if not available("cuda"):
-        return None
-    return cuda_kernel(**_spec(source(False)))
-
-
-def _build_metal():
-    if not available("metal"):
-        return None
-    return metal_kernel(**_spec(source(True)))
-
-
 def _kernel():
-    return built(_kernels, (), _build_cuda, _build_metal)
+    return built(_kernels, (), lambda metal: _spec(source(metal)))
 
 
 def conv_silu_native(x: mx.array, window: mx.array, weight: mx.array):

@@ -19,19 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import (
-    available,
-    backend,
-    built,
-    constant,
-    cuda_kernel,
-    fill,
-    kernel_name,
-    metal_kernel,
-    spell,
-    trusted,
-    use_native,
-)
+from . import backend, built, constant, fill, kernel_name, spell, trusted, use_native
 
 
 @dataclass(frozen=True)
@@ -287,25 +275,20 @@ _PARTIAL_OUTPUTS = ["part_m", "part_l", "part_acc", "k_out"]
 _COMBINE_INPUTS = ["part_m", "part_l", "part_acc", "gate", "cached"]
 
 
+def _specs(metal: bool, eps: float, rope: Rope, scale: float) -> tuple[dict, dict]:
+    header, partial, combine = sources(metal, eps, rope, scale)
+    return (
+        {"name": kernel_name("mtp_attn_partial", header, partial), "header": header,
+         "input_names": _PARTIAL_INPUTS, "output_names": _PARTIAL_OUTPUTS, "source": partial,
+         "ensure_row_contiguous": False},
+        {"name": kernel_name("mtp_attn_combine", header, combine), "header": header,
+         "input_names": _COMBINE_INPUTS, "output_names": ["out"], "source": combine,
+         "ensure_row_contiguous": False},
+    )  # fmt: skip
+
+
 def _kernels_for(eps: float, rope: Rope, scale: float):
-    def make(factory, metal: bool):
-        header, partial, combine = sources(metal, eps, rope, scale)
-        return (
-            factory(name=kernel_name("mtp_attn_partial", header, partial),
-                    input_names=_PARTIAL_INPUTS, output_names=_PARTIAL_OUTPUTS,
-                    header=header, source=partial, ensure_row_contiguous=False),
-            factory(name=kernel_name("mtp_attn_combine", header, combine),
-                    input_names=_COMBINE_INPUTS, output_names=["out"], header=header,
-                    source=combine, ensure_row_contiguous=False),
-        )  # fmt: skip
-
-    def cuda():
-        return make(cuda_kernel, False) if available("cuda") else None
-
-    def metal():
-        return make(metal_kernel, True) if available("metal") else None
-
-    return built(_kernels, (eps, rope, scale), cuda, metal)
+    return built(_kernels, (eps, rope, scale), lambda metal: _specs(metal, eps, rope, scale))
 
 
 def launch_shapes(B: int, T: int, Hq: int, Hkv: int, D: int) -> dict:

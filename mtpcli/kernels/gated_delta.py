@@ -17,20 +17,7 @@ from functools import partial
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from . import (
-    RCP1,
-    available,
-    backend,
-    built,
-    constant,
-    cuda_kernel,
-    fill,
-    kernel_name,
-    launch_bounds,
-    metal_kernel,
-    spell,
-    use_native,
-)
+from . import RCP1, backend, built, constant, fill, kernel_name, launch_bounds, spell, use_native
 from .conv_window import conv_silu, conv_silu_ops
 
 
@@ -434,21 +421,8 @@ def _spec(metal: bool, keep: bool, conv: bool = False,
     }
 
 
-def _build_cuda(keep: bool, conv: bool, bounds: tuple[int, int] | None):
-    if not available("cuda"):
-        return None
-    return cuda_kernel(**_spec(False, keep, conv, bounds))
-
-
-def _build_metal(keep: bool, conv: bool):
-    if not available("metal"):
-        return None
-    return metal_kernel(**_spec(True, keep, conv))
-
-
 def _kernel(keep: bool, conv: bool = False, bounds: tuple[int, int] | None = None):
-    return built(_kernels, (keep, conv, bounds), lambda: _build_cuda(keep, conv, bounds),
-                 lambda: _build_metal(keep, conv))  # fmt: skip
+    return built(_kernels, (keep, conv, bounds), lambda metal: _spec(metal, keep, conv, bounds))
 
 
 # Value rows per warp (R/2 a half-warp), with the q/k and gates made once per threadgroup:

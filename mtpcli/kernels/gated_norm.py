@@ -12,18 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.activations import precise_swiglu
 
-from . import (
-    available,
-    backend,
-    built,
-    constant,
-    cuda_kernel,
-    fill,
-    kernel_name,
-    metal_kernel,
-    spell,
-    use_native,
-)
+from . import backend, built, constant, fill, kernel_name, spell, use_native
 
 
 def gated_norm_ops(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx.array:
@@ -111,13 +100,7 @@ def _spec(metal: bool, eps: float, in_place: bool = False) -> dict:
 
 
 def _kernel(eps: float, in_place: bool = False):
-    def cuda():
-        return cuda_kernel(**_spec(False, eps, in_place)) if available("cuda") else None
-
-    def metal():
-        return metal_kernel(**_spec(True, eps, in_place)) if available("metal") else None
-
-    return built(_kernels, (eps, in_place), cuda, metal)
+    return built(_kernels, (eps, in_place), lambda metal: _spec(metal, eps, in_place))
 
 
 def gated_norm_native(y: mx.array, z: mx.array, weight: mx.array, eps: float,

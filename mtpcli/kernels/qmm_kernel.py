@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import available, built, cuda_kernel, fill, kernel_name, launch_bounds, metal_kernel
+from . import built, fill, kernel_name, launch_bounds
 
 MAX_ROWS = 8  # the mma's n dimension
 WARPS = 8  # split-K warps per 16-row tile, reduced in a fixed order
@@ -86,24 +86,40 @@ __device__ __forceinline__ __half2 qm_pair(uint32_t u, __half) {
   return *reinterpret_cast<__half2*>(&u);
 }
 
-__device__ __forceinline__ void qm_mma(
-    float* c, const uint32_t* a, const uint32_t* b, __nv_bfloat16) {
+"""
+
+
+# One m16n8k16 tensor-core product with float accumulators, per activation type (overloaded on
+# an unnamed argument of that type).
+_MMA = """__device__ __forceinline__ void qm_mma(
+    float* c, const uint32_t* a, const uint32_t* b, {{T}}) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "mma.sync.aligned.m16n8k16.row.col.f32.{{P}}.{{P}}.f32 "
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-__device__ __forceinline__ void qm_mma(
-    float* c, const uint32_t* a, const uint32_t* b, __half) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
+"""
+_HEADER_CUDA += "".join(
+    fill(_MMA, T=t, P=p) for t, p in (("__nv_bfloat16", "bf16"), ("__half", "f16"))
+)
 
+
+def _prologue(lane: str, warp: str) -> str:
+    """Both bodies' opening: the shapes, a thread's lane (g, t) and warp, its rows (``ROWS``)."""
+    return f"""    const int K = x_shape[x_ndim - 1];
+    int M = 1;  // x [..., K]: its leading axes are rows, so no reshape is needed around a call
+    for (int d = 0; d + 1 < x_ndim; ++d) M *= x_shape[d];
+    const int N = w_shape[0];
+    const int lane = {lane};
+    const int warp = {warp};
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    {{{{ROWS}}}}
+    const int words = K / VPW;
+    const int groups = K / GS;
+    const int stretches = words / 16;
 """
 
 
@@ -112,24 +128,15 @@ __device__ __forceinline__ void qm_mma(
 # A and B fragments of m16n8k16, up to a permutation of k inside each mma, which is the same for
 # A and B and so leaves each product's terms unchanged. The warps' partial tiles are added in
 # warp order. x rows g >= M are zeros; nothing else depends on M.
-_CUDA_TEMPLATE = """
+_CUDA_TEMPLATE = (
+    """
     constexpr int VPW = 32 / BITS;              // values per word
     constexpr int STEPS = VPW / 4;              // mma k-steps per word
     constexpr int XW = VPW / 2;                 // x words (2 values each) per weight word
     using XT2 = decltype(qm_ints<BITS>(0u, 0, XT{}));
-    const int K = x_shape[x_ndim - 1];
-    int M = 1;  // x [..., K]: its leading axes are rows, so no reshape is needed around a call
-    for (int d = 0; d + 1 < x_ndim; ++d) M *= x_shape[d];
-    const int N = w_shape[0];
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int g = lane >> 2;
-    const int t = lane & 3;
-    {{ROWS}}
-    const int words = K / VPW;
-    const int groups = K / GS;
-    const int stretches = words / 16;
-    const uint32_t* w_lo = w + lo * words;
+"""
+    + _prologue("threadIdx.x & 31", "threadIdx.x >> 5")
+    + """    const uint32_t* w_lo = w + lo * words;
     const uint32_t* w_hi = w + hi * words;
     const ST* s_lo = scales + lo * groups;
     const ST* b_lo = biases + lo * groups;
@@ -195,6 +202,7 @@ _CUDA_TEMPLATE = """
       {{STORE}}
     }
 """
+)
 
 
 # The plain product's rows and store: a tile is 16 consecutive rows.
@@ -258,22 +266,13 @@ _CUDA_NORM = {
 # accumulating its rows' products for every x row itself and the 4 lanes of a row added last.
 # The variants' parts mirror the CUDA ones: same rows, same roundings, and the squares of each
 # x row summed in the same order.
-_METAL_TEMPLATE = """
+_METAL_TEMPLATE = (
+    """
     constexpr int VPW = 32 / BITS;
     constexpr uint MASK = (1u << BITS) - 1u;
-    const int K = x_shape[x_ndim - 1];
-    int M = 1;  // x [..., K]: its leading axes are rows, so no reshape is needed around a call
-    for (int d = 0; d + 1 < x_ndim; ++d) M *= x_shape[d];
-    const int N = w_shape[0];
-    const int lane = thread_index_in_simdgroup;
-    const int warp = simdgroup_index_in_threadgroup;
-    const int g = lane >> 2;
-    const int t = lane & 3;
-    {{ROWS}}
-    const int words = K / VPW;
-    const int groups = K / GS;
-    const int stretches = words / 16;
-    device const uint32_t* w_lo = w + lo * words;
+"""
+    + _prologue("thread_index_in_simdgroup", "simdgroup_index_in_threadgroup")
+    + """    device const uint32_t* w_lo = w + lo * words;
     device const uint32_t* w_hi = w + hi * words;
     float c_lo[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     float c_hi[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -321,6 +320,7 @@ _METAL_TEMPLATE = """
     threadgroup_barrier(mem_flags::mem_threadgroup);
     {{STORE}}
 """
+)
 
 
 # The rows are the CUDA kernel's; only the threadgroup index is spelled differently.
@@ -449,18 +449,6 @@ def _spec(metal: bool, header: str, variant: Variant = PLAIN) -> dict:
     }
 
 
-def _build_cuda(variant: Variant, header: str):
-    if not available("cuda"):
-        return None
-    return cuda_kernel(**_spec(False, header, variant))
-
-
-def _build_metal(variant: Variant):
-    if not available("metal"):
-        return None
-    return metal_kernel(**_spec(True, "", variant))
-
-
 # The norm and swiglu variants take 66-68 registers unbounded (3 blocks of 8 warps a
 # multiprocessor); bounded to 4 blocks, ptxas fits them in 64 without spills
 # (tests/test_cuda_compile.py).
@@ -478,8 +466,8 @@ def header(variant: Variant, warps: int = WARPS, min_blocks: int | None = None) 
 def kernel(variant: Variant, warps: int = WARPS, min_blocks: int | None = None):
     """The variant's kernel for the running backend; None where there is none (the CPU)."""
     text = header(variant, warps, min_blocks)
-    return built(_kernels, (variant, text), lambda: _build_cuda(variant, text),
-                 lambda: _build_metal(variant))  # fmt: skip
+    return built(_kernels, (variant, text),
+                 lambda metal: _spec(metal, "" if metal else text, variant))  # fmt: skip
 
 
 def launch(
