@@ -140,6 +140,10 @@ def _print_stats(result) -> None:
             f"accepted, acceptance {r.acceptance_rate:.3f} (by position: {per}), "
             f"{r.tokens_per_verify:.2f} tokens/verify"
         )
+        if r.switches:
+            err.print("MTP switched " + ", ".join(
+                f"{'on' if on else 'off'} at {c} tokens of context" for c, on in r.switches
+            ) + f" ({r.classic_steps} tokens by classic steps)")  # fmt: skip
         err.print(
             f"MTP time per round: draft {r.draft_s * ms:.2f} ms, verify {r.verify_s * ms:.2f} ms "
             f"({r.verify_build_s * ms:.2f} building it), rollback {r.rollback_s * ms:.2f} ms"

@@ -7,12 +7,18 @@ acceptance a (a draft counts only after all before it were accepted) a round emi
 catch-up, the rollback and Python overhead are all in). The expected speedup is
 ``E * step_ms / round_ms[b]``; MTP engages when it is at least ``MARGIN``.
 
+Both costs grow with the context (a step reads every attention layer's KV cache once, a
+verify of b positions b times), so they are timed at a few context lengths and interpolated
+between them: the gate decides at the prompt's length, and the round-by-round choice
+(``BlockChooser``) at the length reached, switching MTP off where no round pays any more.
+
 The costs come from a calibration measured once per machine and model shape (a few short
-generations) and cached in ``cache_dir()/gate.json``; the acceptance from the last run of the
-same target and drafter (before there is one, the acceptance seen in the calibration's own MTP
-runs when it has just calibrated, else ``PRIOR_ACCEPTANCE``; the model takes a to be
-the same at every draft position, so it carries over between block sizes). When no block size
-was asked for, the gate also picks the block size with the best expected speedup.
+generations at each context length) and cached in ``cache_dir()/gate.json``; the acceptance
+from the last run of the same target and drafter (before there is one, the acceptance seen in
+the calibration's own MTP runs when it has just calibrated, else ``PRIOR_ACCEPTANCE``; the
+model takes a to be the same at every draft position, so it carries over between block sizes).
+When no block size was asked for, the gate also picks the block size with the best expected
+speedup.
 """
 
 from __future__ import annotations
@@ -42,18 +48,62 @@ PRIOR_ACCEPTANCE = 0.6
 # Predictions came within about 5% of the measured speedups on the CPU example
 # (docs/benchmark_results/cpu_example_bench_9e23fa2.md): ask for at least that much expected gain.
 MARGIN = 1.05
-STORE_VERSION = 3
+# Running MTP, a round stops being chosen only once it is expected to lose (below 1.0x), so
+# that costs near the margin do not switch it off and on round after round.
+KEEP_ABOVE = 1.0
+STORE_VERSION = 4
+SHORT = 16  # the made-up prompt's length: the shortest context timed
+# Context lengths timed (those the model has room for): the costs between are interpolated,
+# those past the longest extrapolated along the last two points.
+CONTEXTS = (SHORT, 4096, 16384)
+MAX_CONTEXT = 10**7
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured costs at one context length, ms: a classic step (per token, pipelined as it
+    runs) and a whole MTP round (draft, verify, accept, roll back, emit) by block size."""
+
+    step_ms: float
+    round_ms: dict[int, float]
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Measured costs, ms: a classic step (per token, pipelined as it runs) and a whole MTP
-    round (draft, verify, accept, roll back, emit) by block size."""
+    """Costs by context length (tokens in the cache when decoding), at least one."""
 
-    step_ms: float
-    round_ms: dict[int, float]
+    costs: dict[int, Costs]
     # per-draft acceptance seen in the timed MTP runs (of this pair; not kept with the costs)
     acceptance: float | None = None
+
+    @classmethod
+    def constant(cls, step_ms: float, round_ms: dict[int, float],
+                 acceptance: float | None = None) -> Calibration:  # fmt: skip
+        """The same costs at every context length."""
+        return cls({SHORT: Costs(step_ms, round_ms)}, acceptance)
+
+    def at(self, context: int) -> Costs:
+        """The costs at ``context`` tokens: linear between the two timed lengths around it
+        (attention's share grows linearly with the cache), along the last two past the longest
+        (never decreasing), the shortest's below it."""
+        points = sorted(self.costs)
+        blocks = set.intersection(*(set(c.round_ms) for c in self.costs.values()))
+        if context <= points[0] or len(points) == 1:
+            return self.costs[points[0]]
+        hi = next((p for p in points if p >= context), points[-1])
+        lo = points[points.index(hi) - 1]
+        f = (context - lo) / (hi - lo)
+
+        def line(a: float, b: float) -> float:
+            return b + (f - 1) * max(b - a, 0.0) if context > hi else a + f * (b - a)
+
+        a, b = self.costs[lo], self.costs[hi]
+        return Costs(line(a.step_ms, b.step_ms),
+                     {k: line(a.round_ms[k], b.round_ms[k]) for k in sorted(blocks)})  # fmt: skip
+
+    @property
+    def contexts(self) -> list[int]:
+        return sorted(self.costs)
 
 
 @dataclass(frozen=True)
@@ -71,21 +121,27 @@ def tokens_per_round(acceptance: float, drafts: int) -> float:
     return sum(acceptance**i for i in range(drafts + 1))
 
 
-def expected_speedup(cal: Calibration, block: int, acceptance: float) -> float:
-    return tokens_per_round(acceptance, block - 1) * cal.step_ms / cal.round_ms[block]
+def expected_speedup(cal: Calibration, block: int, acceptance: float, context: int = 0) -> float:
+    """A round's expected tokens over its cost in classic steps, at ``context`` tokens."""
+    costs = cal.at(context)
+    return tokens_per_round(acceptance, block - 1) * costs.step_ms / costs.round_ms[block]
 
 
-def decide(cal: Calibration, blocks: list[int], acceptance: float, source: str) -> GateDecision:
-    """The best of ``blocks`` by expected speedup, engaged if that clears ``MARGIN``."""
-    speedups = {b: expected_speedup(cal, b, acceptance) for b in blocks}
+def decide(cal: Calibration, blocks: list[int], acceptance: float, source: str,
+           context: int = 0) -> GateDecision:  # fmt: skip
+    """The best of ``blocks`` by expected speedup at ``context`` tokens, engaged if that clears
+    ``MARGIN``."""
+    costs = cal.at(context)
+    speedups = {b: expected_speedup(cal, b, acceptance, context) for b in blocks}
     block = max(blocks, key=lambda b: (speedups[b], -b))  # ties: the smaller block
     speedup = speedups[block]
     engaged = speedup >= MARGIN
     others = ", ".join(f"{b}: {v:.2f}x" for b, v in speedups.items() if b != block)
     reason = (
         f"expected {speedup:.2f}x classic at block {block} with acceptance {acceptance:.2f} "
-        f"({source}): a classic step costs {cal.step_ms:.2f} ms, a round of "
-        f"{block - 1} draft{'s' if block > 2 else ''} and a verify {cal.round_ms[block]:.2f} ms"
+        f"({source}): at {context} tokens of context a classic step costs "
+        f"{costs.step_ms:.2f} ms, a round of {block - 1} draft{'s' if block > 2 else ''} and a "
+        f"verify {costs.round_ms[block]:.2f} ms"
         + (f" (other blocks {others})" if others else "")
         + "; "
         + ("MTP engaged" if engaged else f"below {MARGIN:.2f}x, decoding classically")
@@ -100,19 +156,22 @@ def acceptance_estimate(stats: MTPStats) -> float | None:
 
 @dataclass(frozen=True)
 class BlockChooser:
-    """Each round's block size, from the acceptance seen so far in the generation: the
-    acceptance the gate decided with counts as ``weight`` examined drafts, the run's own
-    drafts as themselves; the block with the best expected speedup under ``cal`` wins."""
+    """Each round's block size, from the acceptance seen so far in the generation and the
+    context reached: the acceptance the gate decided with counts as ``weight`` examined
+    drafts, the run's own drafts as themselves; the block with the best expected speedup
+    under ``cal`` at that context wins, or 1 (a classic step) where none is expected to pay:
+    below ``KEEP_ABOVE`` while MTP runs, below ``MARGIN`` to switch it back on."""
 
     cal: Calibration
     blocks: tuple[int, ...]
     prior: float
     weight: float = 8.0
 
-    def __call__(self, stats: MTPStats) -> int:
+    def __call__(self, stats: MTPStats, context: int) -> int:
         a = (self.prior * self.weight + stats.accepted) / (self.weight + stats.examined)
-        speedups = {b: expected_speedup(self.cal, b, a) for b in self.blocks}
-        return max(self.blocks, key=lambda b: (speedups[b], -b))
+        speedups = {b: expected_speedup(self.cal, b, a, context) for b in self.blocks}
+        block = max(self.blocks, key=lambda b: (speedups[b], -b))
+        return block if speedups[block] >= (KEEP_ABOVE if stats.on else MARGIN) else 1
 
 
 def machine_key(options: Options) -> str:
@@ -142,26 +201,41 @@ Run = Callable[[GenerationStats], Iterator[int]]
 
 @dataclass(frozen=True)
 class Arms:
-    """What the gate times: classic decoding, and MTP at a block size (short generations
-    from one prompt, as the engines run them; ``generation.gate_arms`` builds them)."""
+    """What the gate times: classic decoding, and MTP at a block size, each after a prompt of
+    a given length (short generations, as the engines run them; ``generation.gate_arms``
+    builds them)."""
 
-    classic: Run
-    mtp: Callable[[int], Run]
+    classic: Callable[[int], Run]  # context -> run
+    mtp: Callable[[int, int], Run]  # block, context -> run
+
+
+def calibration_contexts(limit: int, tokens: int = 32) -> tuple[int, ...]:
+    """The ``CONTEXTS`` a model of ``limit`` positions has room for (a prompt, ``tokens``
+    generated and a round's block); half its room where only the shortest fits."""
+    room = limit - tokens - BLOCK_MAX
+    fits = tuple(c for c in CONTEXTS if c <= room)
+    if len(fits) == 1 and room // 2 > 4 * SHORT:
+        fits += (room // 2,)
+    return fits or (SHORT,)
 
 
 def calibrate(
     runs: Arms,
     blocks: list[int],
+    contexts: tuple[int, ...] = (SHORT,),
     repeats: int = 5,
     budget_s: float = 2.0,
+    long_repeats: int = 2,
 ) -> Calibration:
-    """Time classic decoding and MTP rounds of each block size, as they run.
+    """Time classic decoding and MTP rounds of each block size, as they run, after a prompt
+    of each of ``contexts`` tokens.
 
     Each is run once to warm up; then rounds of one run of each, alternating, so that a change
     in the machine's speed (clocks, other load) reaches both sides alike, up to ``repeats``
     rounds, stopping early once the measured rounds took ``budget_s`` per side (a large model
-    is timed fewer times: its runs are long and steadier). The fastest run of each is kept:
-    other load only ever slows a run down.
+    is timed fewer times: its runs are long and steadier). Past the first context each side
+    runs ``long_repeats`` times, alternating (each run prefills its long prompt again). The
+    fastest run of each is kept: other load only ever slows a run down.
     """
     seen = [0, 0]  # accepted, examined drafts over the MTP runs
 
@@ -175,18 +249,22 @@ def calibrate(
             seen[1] += stats.mtp.examined
         return stats.generation_s * 1000 / max(units, 1)
 
-    arms = {0: runs.classic} | {b: runs.mtp(b) for b in blocks}  # 0: the classic step
-    for run in arms.values():
-        list(run(GenerationStats()))  # warm-up: kernel compilation, caches
-    vals: dict[int, list[float]] = {key: [] for key in arms}
-    start = time.perf_counter()
-    while len(vals[0]) < repeats and (
-        not vals[0] or time.perf_counter() - start < budget_s * len(arms)
-    ):
-        for key, run in arms.items():
-            vals[key].append(measured(run))
-    step, rounds = min(vals[0]), {b: min(vals[b]) for b in blocks}
-    return Calibration(step, rounds, seen[0] / seen[1] if seen[1] else None)
+    costs = {}
+    for i, context in enumerate(contexts):
+        # 0: the classic step
+        arms = {0: runs.classic(context)} | {b: runs.mtp(b, context) for b in blocks}
+        if i == 0:
+            for run in arms.values():
+                list(run(GenerationStats()))  # warm-up: kernel compilation, caches
+        vals: dict[int, list[float]] = {key: [] for key in arms}
+        start = time.perf_counter()
+        while len(vals[0]) < (repeats if i == 0 else long_repeats) and (
+            i > 0 or not vals[0] or time.perf_counter() - start < budget_s * len(arms)
+        ):
+            for key, run in arms.items():
+                vals[key].append(measured(run))
+        costs[context] = Costs(min(vals[0]), {b: min(vals[b]) for b in blocks})
+    return Calibration(costs, seen[0] / seen[1] if seen[1] else None)
 
 
 MAX_MS = 1e5  # a step or round of 100 s is no measurement of a model we run
@@ -200,6 +278,20 @@ def _ms(v) -> bool:
 
 
 def _valid_calibration(c) -> bool:
+    costs = c.get("costs") if isinstance(c, dict) else None
+    return (
+        isinstance(costs, dict)
+        and bool(costs)
+        and all(_valid_count(k, 1, MAX_CONTEXT) and _valid_costs(v) for k, v in costs.items())
+    )
+
+
+def _valid_count(key, lo: int, hi: int) -> bool:
+    # ASCII digits only: "²".isdigit() is true, and int() refuses it
+    return isinstance(key, str) and key.isascii() and key.isdigit() and lo <= int(key) <= hi
+
+
+def _valid_costs(c) -> bool:
     if not isinstance(c, dict):
         return False
     rounds = c.get("round_ms")
@@ -207,11 +299,7 @@ def _valid_calibration(c) -> bool:
         _ms(c.get("step_ms"))
         and isinstance(rounds, dict)
         and bool(rounds)
-        # ASCII digits only: "²".isdigit() is true, and int() refuses it
-        and all(
-            b.isascii() and b.isdigit() and BLOCK_MIN <= int(b) <= BLOCK_MAX and _ms(v)
-            for b, v in rounds.items()
-        )
+        and all(_valid_count(b, BLOCK_MIN, BLOCK_MAX) and _ms(v) for b, v in rounds.items())
     )
 
 
@@ -267,17 +355,29 @@ class GateStore:
             out[part] = {k: v for k, v in entries.items() if k not in bad}
         return out
 
-    def calibration(self, key: str, blocks: list[int]) -> Calibration | None:
+    def calibration(self, key: str, blocks: list[int],
+                    contexts: tuple[int, ...] = (SHORT,)) -> Calibration | None:  # fmt: skip
+        """The costs kept for ``key``, if they hold every block at every context asked for."""
         c = self.data["calibrations"].get(key)
-        if not c or any(str(b) not in c["round_ms"] for b in blocks):
+        if not c:
             return None
-        return Calibration(c["step_ms"], {int(b): v for b, v in c["round_ms"].items()})
+        costs = {int(n): Costs(v["step_ms"], {int(b): ms for b, ms in v["round_ms"].items()})
+                 for n, v in c["costs"].items()}  # fmt: skip
+        if any(n not in costs or any(b not in costs[n].round_ms for b in blocks)
+               for n in contexts):  # fmt: skip
+            return None
+        return Calibration({n: costs[n] for n in contexts})
 
     def put_calibration(self, key: str, cal: Calibration) -> None:
         def put(data: dict) -> None:
-            old = data["calibrations"].get(key, {}).get("round_ms", {})
-            rounds = old | {str(b): v for b, v in cal.round_ms.items()}
-            data["calibrations"][key] = {"step_ms": cal.step_ms, "round_ms": rounds}
+            kept = data["calibrations"].get(key, {}).get("costs", {})
+            for n, c in cal.costs.items():
+                rounds = kept.get(str(n), {}).get("round_ms", {})
+                kept[str(n)] = {
+                    "step_ms": c.step_ms,
+                    "round_ms": rounds | {str(b): v for b, v in c.round_ms.items()},
+                }
+            data["calibrations"][key] = {"costs": kept}
 
         self._update(put)
 
@@ -357,6 +457,7 @@ def gate(
     pair: str,
     runs: Arms,
     *,
+    context: int = 0,
     forced: bool = False,
     adapt: bool = False,
     note: Callable[[str], None] = lambda msg: None,
@@ -364,20 +465,25 @@ def gate(
     """Decide whether this run should use MTP, and at which block size.
 
     ``runs`` are what a calibration times (when this machine and shape have none cached);
-    ``forced`` (``--draft-kind mtp``) runs MTP at ``block``; ``adapt`` (no block size asked
-    for) lets the gate pick among ``ADAPT_BLOCKS`` and ``block``; ``note`` is told before a
-    calibration (a few short generations) and of any problem with the cache.
+    ``context`` is the prompt's length; ``forced`` (``--draft-kind mtp``) runs MTP at
+    ``block``, whatever the context; ``adapt`` (no block size asked for) lets the gate pick
+    among ``ADAPT_BLOCKS`` and ``block``; ``note`` is told before a calibration (a few short
+    generations at each context length) and of any problem with the cache. Unless forced, the
+    decision carries a ``BlockChooser`` that follows the context (and, adapting, the
+    acceptance) round by round.
     """
     if forced:
         return GateDecision(True, block, "forced: MTP runs whatever the cost model expects", None)
     blocks = sorted({block, *ADAPT_BLOCKS}) if adapt else [block]
+    contexts = calibration_contexts(target.config.text.max_position_embeddings)
     st = store()
     key = machine_key(target.options) + "#" + shape_key(target, drafter)
-    cal = st.calibration(key, blocks)
+    cal = st.calibration(key, blocks, contexts)
     seen = None
     if cal is None:
-        note("calibrating the MTP gate (once per machine and model shape)")
-        cal = calibrate(runs, blocks)
+        note("calibrating the MTP gate (once per machine and model shape, at "
+             f"{', '.join(map(str, contexts))} tokens of context)")  # fmt: skip
+        cal = calibrate(runs, blocks, contexts)
         st.put_calibration(key, cal)
         seen = cal.acceptance
     known = st.acceptance(pair)
@@ -387,10 +493,11 @@ def gate(
     for msg in dict.fromkeys(st.notes):
         note(msg)
     acceptance, source = known or (PRIOR_ACCEPTANCE, "prior")
-    decision = decide(cal, blocks, acceptance, source)
-    if adapt and len(blocks) > 1:
-        decision = replace(decision, chooser=BlockChooser(cal, tuple(blocks), acceptance))
-    return decision
+    decision = decide(cal, blocks, acceptance, source, context)
+    # Round by round the acceptance seen and the context reached may move the block (where
+    # adapting) or switch MTP off where no round pays.
+    chooser = BlockChooser(cal, tuple(blocks), acceptance)
+    return replace(decision, chooser=chooser)
 
 
 def remember(

@@ -59,6 +59,8 @@ class GenerateResult:
                 "verify_ms": r.verify_s * 1000,
                 "verify_build_ms": r.verify_build_s * 1000,
                 "rollback_ms": r.rollback_s * 1000,
+                "classic_steps": r.classic_steps,
+                "switches": [{"context": c, "mtp": on} for c, on in r.switches],
             }
         return {
             "text": self.text,
@@ -164,8 +166,8 @@ def generate(
     if pair.drafter is not None:
         decision = gate.gate(
             target, pair.drafter, block_size or pair.drafter.block_size, pair.pair_key,
-            gate_arms(target, pair.drafter), forced=force_mtp, adapt=block_size is None,
-            note=note,
+            gate_arms(target, pair.drafter), context=len(ids), forced=force_mtp,
+            adapt=block_size is None, note=note,
         )  # fmt: skip
         on_decision(decision)
     engaged = decision is not None and decision.engaged
@@ -213,19 +215,25 @@ def generate(
     )  # fmt: skip
 
 
+def made_up_prompt(length: int, vocab: int) -> list[int]:
+    """``length`` token ids of no text, the same for every run (a context to time at)."""
+    return [(7 * i + 3) % min(1000, vocab) for i in range(length)]
+
+
 def gate_arms(target, drafter, tokens: int = 32) -> gate.Arms:
     """What the gate's calibration times: classic decoding and MTP at a block size, each a
-    short greedy generation from the same made-up prompt, as the engines run them."""
-    vocab = min(1000, target.config.text.vocab_size)
-    prompt = [(7 * i + 3) % vocab for i in range(16)]
+    short greedy generation after a made-up prompt of the context's length, as the engines run
+    them."""
+    vocab = target.config.text.vocab_size
 
-    def classic(stats: GenerationStats):
-        return generate_classic(target, prompt, max_tokens=tokens, stats=stats)
+    def classic(context: int):
+        return lambda stats: generate_classic(target, made_up_prompt(context, vocab),
+                                              max_tokens=tokens, stats=stats)  # fmt: skip
 
-    def mtp(block: int):
-        return lambda stats: generate_mtp(
-            target, drafter, prompt, block_size=block, max_tokens=tokens, stats=stats
-        )
+    def mtp(block: int, context: int):
+        return lambda stats: generate_mtp(target, drafter, made_up_prompt(context, vocab),
+                                          block_size=block, max_tokens=tokens,
+                                          stats=stats)  # fmt: skip
 
     return gate.Arms(classic, mtp)
 

@@ -151,9 +151,10 @@ def _fake_calibration(ctx):
     """The gate's calibration, faked (counted in ctx.calibrations); a first run fills the cache."""
     ctx.calibrations = []
 
-    def calibrate(runs, blocks, repeats=3):
+    def calibrate(runs, blocks, contexts=(gate.SHORT,), repeats=3):
         ctx.calibrations.append(list(blocks))
-        return gate.Calibration(10.0, dict.fromkeys(blocks, 14.0))
+        costs = gate.Costs(10.0, dict.fromkeys(blocks, 14.0))
+        return gate.Calibration(dict.fromkeys(contexts, costs))
 
     ctx.monkeypatch.setattr(gate, "calibrate", calibrate)
     assert run([a.format(**ctx.paths) for a in PAIR]) == 0
@@ -173,13 +174,13 @@ def _gate_cache(fn):
     return setup
 
 
-def _every(part: str, key: str, value):
+def _every(key: str, value):
+    """Set ``key`` of every calibration's costs (every block's, for round_ms) to ``value``."""
+
     def fn(data):
-        for entry in data[part].values():
-            if key == "round_ms":
-                entry[key] = dict.fromkeys(entry[key], value)
-            else:
-                entry[key] = value
+        for entry in data["calibrations"].values():
+            for costs in entry["costs"].values():
+                costs[key] = dict.fromkeys(costs[key], value) if key == "round_ms" else value
 
     return fn
 
@@ -217,7 +218,8 @@ def _lock_fifo(ctx):
 def _rename_rounds(fn):
     def change(data):
         for entry in data["calibrations"].values():
-            entry["round_ms"] = {fn(b): v for b, v in entry["round_ms"].items()}
+            for costs in entry["costs"].values():
+                costs["round_ms"] = {fn(b): v for b, v in costs["round_ms"].items()}
 
     return change
 
@@ -321,8 +323,8 @@ CASES = [
     # The gate cache: validated, merged under a lock, never leaking.
     Case("gate-wrong-version", PAIR, 0, r"gate cache .*: not this version's format", "gate.GateStore._read", setup=_gate_cache(lambda d: d.update(version=99)), check=_recalibrated),  # noqa: E501
     Case("gate-version-only", PAIR, 0, r"dropped all invalid calibrations", "gate.GateStore._read", setup=_gate_cache(lambda d: [d.pop("calibrations"), d.pop("acceptance")]), check=_recalibrated),  # noqa: E501
-    Case("gate-round-ms-zero", PAIR, 0, r"dropped 1 invalid calibrations", "gate._valid_calibration", setup=_gate_cache(_every("calibrations", "round_ms", 0)), check=_recalibrated),  # noqa: E501
-    Case("gate-step-ms-1e9", PAIR, 0, r"dropped 1 invalid calibrations", "gate._valid_calibration", setup=_gate_cache(_every("calibrations", "step_ms", 1e9)), check=_recalibrated),  # noqa: E501
+    Case("gate-round-ms-zero", PAIR, 0, r"dropped 1 invalid calibrations", "gate._valid_calibration", setup=_gate_cache(_every("round_ms", 0)), check=_recalibrated),  # noqa: E501
+    Case("gate-step-ms-1e9", PAIR, 0, r"dropped 1 invalid calibrations", "gate._valid_calibration", setup=_gate_cache(_every("step_ms", 1e9)), check=_recalibrated),  # noqa: E501
     Case("gate-entry-not-object", PAIR, 0, r"dropped 1 invalid calibrations", "gate._valid_calibration", setup=_gate_cache(lambda d: d["calibrations"].update(dict.fromkeys(d["calibrations"], 5))), check=_recalibrated),  # noqa: E501
     Case("gate-acceptance-word", PAIR, 0, r"dropped 1 invalid acceptance", "gate._valid_acceptance", setup=_gate_cache(_every("acceptance", "value", "high"))),  # noqa: E501
     Case("gate-acceptance-nan", PAIR, 0, r"dropped 1 invalid acceptance", "gate._valid_acceptance", setup=_gate_cache(_every("acceptance", "value", float("nan")))),  # noqa: E501
@@ -350,7 +352,7 @@ CASES = [
     Case("weights-nan-after-the-prompt-mtp", ("generate", "-m", "{t}", "--draft-model", "{d}", "--draft-kind", "mtp", "-p", "hi", "-n", "4", "--ignore-chat-template"), 1, r"logits at generated token 1 are not finite", "sampling.accept: check_finite", setup=_nan_after_the_prompt),  # noqa: E501
     Case("gate-lock-fifo", PAIR, 0, r"gate cache .* not written \(its lock .* is not a regular file\)", "gate._locked", setup=_lock_fifo, shell="{cmd}"),  # noqa: E501
     Case("gate-round-key-superscript", PAIR, 0, r"dropped 1 invalid calibrations", "gate._valid_calibration: ASCII digits", setup=_gate_cache(_rename_rounds(lambda b: "\u00b2" if b == "2" else b)), check=_recalibrated),  # noqa: E501
-    Case("gate-round-ms-tiny", PAIR, 0, r"dropped 1 invalid calibrations", "gate.MIN_MS", setup=_gate_cache(_every("calibrations", "round_ms", 1e-300)), check=_recalibrated),  # noqa: E501
+    Case("gate-round-ms-tiny", PAIR, 0, r"dropped 1 invalid calibrations", "gate.MIN_MS", setup=_gate_cache(_every("round_ms", 1e-300)), check=_recalibrated),  # noqa: E501
 ]  # fmt: skip
 
 
@@ -459,8 +461,8 @@ def test_concurrent_writers_keep_both_entries(tmp_path):
     entry (it re-reads under the lock) instead of overwriting it."""
     path = tmp_path / "gate.json"
     a, b = gate.GateStore(path), gate.GateStore(path)
-    a.put_calibration("shape-a", gate.Calibration(1.0, {3: 1.5}))
-    b.put_calibration("shape-b", gate.Calibration(2.0, {3: 2.5}))
+    a.put_calibration("shape-a", gate.Calibration.constant(1.0, {3: 1.5}))
+    b.put_calibration("shape-b", gate.Calibration.constant(2.0, {3: 2.5}))
     again = gate.GateStore(path)
     assert again.calibration("shape-a", [3]) is not None
     assert again.calibration("shape-b", [3]) is not None
@@ -488,7 +490,7 @@ def test_concurrent_processes_lose_no_entry(tmp_path):
         "time.sleep(max(0, float(sys.argv[3]) - time.time()))\n"  # start together
         "for i in range(150):\n"
         "    GateStore(Path(sys.argv[1])).put_calibration(f'{sys.argv[2]}-{i}', "
-        "Calibration(1.0, {3: 1.5}))\n"
+        "Calibration.constant(1.0, {3: 1.5}))\n"
     )
     path = tmp_path / "gate.json"
     start = str(time.time() + 2)

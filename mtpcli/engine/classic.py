@@ -13,6 +13,27 @@ from . import check_room, first_logits, prompt_array
 from .sampling import SamplingParams, check_finite, pick_checked, readback
 
 
+def decode_step(
+    target: Target, cache: list, y: mx.array, sampling: SamplingParams
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Queue one decode step that feeds token ``y`` (an id, read or not): the token it picks,
+    that token's ``readback`` [2] and the hidden state at ``y`` [1, 1, H], submitted, not
+    waited for."""
+    out = target.forward(y.reshape(1, 1), cache)
+    y_next, lse = pick_checked(target.lm_head(out.hidden)[0, -1], sampling)
+    seen = readback(y_next, lse)  # [2]: the token and its logsumexp
+    mx.async_eval(y_next, seen)
+    return y_next, seen, out.hidden
+
+
+def read_token(seen: mx.array, position: int) -> int:
+    """The token of a step's ``readback``, its logits checked to be numbers (one read, of the
+    step's own outputs: ``position`` counts the tokens generated before it)."""
+    token, lse = seen.tolist()
+    check_finite([lse], position)
+    return int(token)
+
+
 def generate_classic(
     target: Target,
     prompt,
@@ -42,21 +63,15 @@ def generate_classic(
         while True:
             # Queue the next step before reading this token, so the device never waits on Python.
             if n + 1 < max_tokens:
-                out = target.forward(y.reshape(1, 1), cache)
-                y_next, lse = pick_checked(target.lm_head(out.hidden)[0, -1], sampling)
-                seen_next = readback(y_next, lse)  # [2]: the token and its logsumexp
-                mx.async_eval(y_next, seen_next)
-            token, lse_read = seen.tolist()  # one read, of this step's own outputs
-            check_finite([lse_read], n)
-            token = int(token)
+                y_next, seen_next, _ = decode_step(target, cache, y, sampling)
+            token = read_token(seen, n)
             if token in eos:
                 return
             yield token
             n += 1
-            stats.generation_tokens, stats.generation_s = n, time.perf_counter() - start
+            stats.emitted(n, start, time.perf_counter())
             if n >= max_tokens:
                 return
             y, seen = y_next, seen_next
     finally:
-        stats.generation_s = time.perf_counter() - start
-        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        stats.finish(start, time.perf_counter(), mx.get_peak_memory())

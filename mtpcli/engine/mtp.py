@@ -18,6 +18,7 @@ from ..drafters import Drafter
 from ..models import Target
 from ..stats import GenerationStats, MTPStats
 from . import check_room, first_logits, prompt_array
+from .classic import decode_step, read_token
 from .sampling import SamplingParams, accept, greedy, pick, positions, probs
 
 
@@ -51,6 +52,36 @@ def draft(
     return mx.stack(drafts).reshape(k), (mx.stack(qs) if qs else None)  # [k], [k, V]
 
 
+class Unseen:
+    """What the drafter has not seen yet: token j+1 with the target hidden at j, as the
+    target made them (a prompt, a round's accepted positions, classic steps)."""
+
+    # While the rounds are off, the drafter catches up in batches of this many tokens (its
+    # cache stays current and the hidden states held stay few).
+    BATCH = 256
+
+    def __init__(self, tokens: list[int], hidden: mx.array) -> None:
+        self.tokens, self.hidden = tokens, [hidden]  # [1, *, H] each
+
+    def add(self, token: int, hidden: mx.array) -> None:
+        self.tokens.append(token)
+        self.hidden.append(hidden)
+
+    def arrays(self) -> tuple[mx.array, mx.array]:
+        """The tokens [L] and their hidden states [1, L, H]."""
+        hidden = self.hidden[0] if len(self.hidden) == 1 else mx.concatenate(self.hidden, 1)
+        return mx.array(self.tokens, mx.uint32), hidden
+
+    def catch_up(self, drafter: Drafter, cache: list) -> None:
+        """Past ``BATCH`` tokens, submit the drafter's forward over all but the newest (the
+        next draft starts from it)."""
+        if len(self.tokens) > self.BATCH:
+            seen = drafter.forward(mx.array(self.tokens[:-1], mx.uint32)[None],
+                                   mx.concatenate(self.hidden[:-1], axis=1), cache)  # fmt: skip
+            mx.async_eval(seen)
+            self.tokens, self.hidden = self.tokens[-1:], self.hidden[-1:]
+
+
 def generate_mtp(
     target: Target,
     drafter: Drafter,
@@ -62,15 +93,16 @@ def generate_mtp(
     eos_ids: Iterable[int] = (),
     stats: GenerationStats | None = None,
     propose=draft,
-    choose_block: Callable[[MTPStats], int] | None = None,
+    choose_block: Callable[[MTPStats, int], int] | None = None,
     on_prefill: Callable[[int, int], None] | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids (EOS excluded) until EOS or ``max_tokens``.
 
     ``propose`` makes the drafts (``draft``'s signature); benchmarks swap in a wrapper.
     ``choose_block`` picks each round's block size (at most ``block_size``) from the
-    statistics so far; without it every round has ``block_size``. ``on_prefill`` follows the
-    prompt's processing (tokens done, total).
+    statistics so far and the context reached (tokens in the target's cache), or 1 for a
+    classic step where no round is expected to pay; without it every round has
+    ``block_size``. ``on_prefill`` follows the prompt's processing (tokens done, total).
     """
     check_block_size(block_size)
     stats = stats if stats is not None else GenerationStats()
@@ -84,10 +116,10 @@ def generate_mtp(
     pending = int(pick(first_logits(target, hidden), sampling).item())
     stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
     start = time.perf_counter()
-    # The drafter sees token j+1 with the target hidden at j.
-    ctx_tokens = mx.array(tokens[0, 1:].tolist() + [pending], mx.uint32)
-    ctx_hidden = hidden
+    unseen = Unseen(tokens[0, 1:].tolist() + [pending], hidden)
     emitted, n = [pending], 0
+    queued = None  # a classic step already submitted: it feeds ``pending``
+    choose = choose_block or (lambda stats, context: block_size)
     try:
         while True:
             for t in emitted:
@@ -95,12 +127,30 @@ def generate_mtp(
                     return
                 yield t
                 n += 1
-                stats.generation_tokens, stats.generation_s = n, time.perf_counter() - start
+                stats.emitted(n, start, time.perf_counter())
             if n >= max_tokens:
                 return
-            k = min(choose_block(rs), block_size) - 1 if choose_block else block_size - 1
+            context = tokens.shape[1] + n - 1  # all but ``pending`` are in the target's cache
+            b = 1 if queued is not None else choose(rs, context)
+            if b == 1:
+                if rs.on:
+                    rs.switch(context, False)
+                y, seen, h = queued or decode_step(target, tcache, mx.array(pending, mx.uint32),
+                                                   sampling)  # fmt: skip
+                # the next step goes out before this one is read, when it is classic too
+                more = n + 1 < max_tokens and choose(rs, context + 1) == 1
+                queued = decode_step(target, tcache, y, sampling) if more else None
+                pending = read_token(seen, n)
+                rs.classic_steps += 1
+                unseen.add(pending, h)
+                unseen.catch_up(drafter, dcache)
+                emitted = [pending]
+                continue
+            if not rs.on:
+                rs.switch(context, True)
+            k = min(b, block_size) - 1
             t0 = time.perf_counter()
-            drafts, q = propose(drafter, target, ctx_tokens, ctx_hidden, dcache, k, sampling)
+            drafts, q = propose(drafter, target, *unseen.arrays(), dcache, k, sampling)
             mx.async_eval(drafts)  # computed while the host builds the verify that takes them
             t1 = time.perf_counter()
             block = mx.concatenate([mx.array([pending], drafts.dtype), drafts])[None]  # [1, k+1]
@@ -119,8 +169,7 @@ def generate_mtp(
             rs.verify_build_s += t_built - t1
             rs.rollback_s += time.perf_counter() - t2
             emitted = draft_ids[:n_acc] + [nxt]
-            ctx_tokens, ctx_hidden = mx.array(emitted, mx.uint32), out.hidden[:, : n_acc + 1]
+            unseen = Unseen(emitted, out.hidden[:, : n_acc + 1])
             pending = nxt
     finally:
-        stats.generation_s = time.perf_counter() - start
-        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        stats.finish(start, time.perf_counter(), mx.get_peak_memory())
