@@ -25,7 +25,7 @@ from .files import read_bounded
 from .kernels import backend as kernel_backend
 from .models.quantized_layers import stock_layers
 from .options import Options
-from .stats import GenerationStats
+from .stats import GenerationStats, MTPStats
 
 DEFAULT_PROMPTS = [
     "Explain in detail how a transformer neural network works, covering attention, "
@@ -182,6 +182,9 @@ class Arm:
     verify_build_ms: list[float] = field(default_factory=list)  # of verify_ms: the host's build
     rollback_ms: list[float] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
+    # where the gate's chooser ran the rounds: its switches (context, MTP on after) per run
+    switches: list[list[tuple[int, bool]]] = field(default_factory=list)
+    classic_steps: list[int] = field(default_factory=list)
 
     def summary(self) -> dict:
         out = {
@@ -190,7 +193,9 @@ class Arm:
             "tps": spread(self.tps),
             "peak_memory_gb": self.peak_memory_gb,
         }
-        if self.block_size:
+        if self.switches:
+            out |= {"switches": self.switches[-1], "classic_steps": spread(self.classic_steps)}
+        if self.block_size and self.acceptance:
             out |= {
                 "acceptance_rate": spread(self.acceptance),
                 "acceptance_by_position": [
@@ -215,6 +220,9 @@ def run_arm(arm: Arm, generate: Callable[[GenerationStats], list[int]]) -> None:
     arm.tps.append(stats.generation_tps)
     arm.peak_memory_gb = max(arm.peak_memory_gb, stats.peak_memory_gb)
     r = stats.mtp
+    if r is not None and (r.switches or r.classic_steps):
+        arm.switches.append(r.switches)
+        arm.classic_steps.append(r.classic_steps)
     if r is not None and r.rounds:
         per_round = 1000 / r.rounds
         arm.acceptance.append(r.acceptance_rate)
@@ -238,11 +246,13 @@ def compare(
     peers: bool = False,
     vlm: MlxVlmPeer | None = None,
     quantized: dict[int, object] | None = None,
+    gated: Callable[[MTPStats, int], int] | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict:
     """Run every arm ``repeats`` times over ``prompts``; one tok/s figure per repeat.
     ``quantized`` maps bits to a quantized copy of ``drafter``: MTP arms with each, beside the
-    drafter's own."""
+    drafter's own. ``gated`` (the gate's round-by-round chooser) adds an MTP arm whose rounds
+    it picks, classic steps included, as ``mtp generate`` runs them."""
     quantized = quantized or {}
     arms = {"classic": Arm("classic", None)}
     arms |= {f"mtp-{b}": Arm(f"mtp block {b}", b) for b in blocks}
@@ -250,6 +260,9 @@ def compare(
              for q in quantized for b in blocks}  # fmt: skip
     drafters = {f"mtp-{b}": drafter for b in blocks}
     drafters |= {f"mtp-{b}-q{q}": d for q, d in quantized.items() for b in blocks}
+    if gated is not None:
+        arms["mtp-gated"] = Arm("mtp, rounds chosen by the gate", max(blocks))
+        drafters["mtp-gated"] = drafter
     if peers:
         arms["mlx_lm"] = Arm("mlx-lm classic (peer)", None)
     if vlm is not None:
@@ -284,20 +297,14 @@ def compare(
                         if simulate is not None
                         else draft
                     )
+                    choose = gated if key == "mtp-gated" else None
                     run_arm(
                         per_prompt,
-                        lambda s, p=prompt, b=arm.block_size, pr=propose, d=drafters[key]: list(
-                            generate_mtp(
-                                target,
-                                d,
-                                p,
-                                block_size=b,
-                                max_tokens=max_tokens,
-                                stats=s,
-                                propose=pr,
-                            )
-                        ),
-                    )
+                        lambda s, p=prompt, b=arm.block_size, pr=propose, d=drafters[key],
+                        c=choose: list(generate_mtp(target, d, p, block_size=b,
+                                                    max_tokens=max_tokens, stats=s, propose=pr,
+                                                    choose_block=c)),
+                    )  # fmt: skip
             _merge(arm, per_prompt)
     result = {k: a.summary() for k, a in arms.items()}
     classic_tokens = arms["classic"].tokens[: len(prompts)]
@@ -328,6 +335,8 @@ def _merge(arm: Arm, per_prompt: Arm) -> None:
     arm.tps.append(sum(n) / seconds if seconds else 0.0)
     arm.tokens.extend(per_prompt.tokens)
     arm.peak_memory_gb = max(arm.peak_memory_gb, per_prompt.peak_memory_gb)
+    arm.switches.extend(per_prompt.switches)
+    arm.classic_steps.extend(per_prompt.classic_steps)
     for name in (
         "acceptance",
         "tokens_per_verify",
@@ -412,19 +421,29 @@ def _fit_acceptance(tokens_per_verify: float, drafts: int) -> float:
     return (lo + hi) / 2
 
 
-def gate_check(target, drafter, result: dict, blocks: list[int], repeats: int) -> dict:
-    """What the gate's cost model predicts for each arm (from a fresh calibration and the
-    arm's measured tokens per verify) beside the speedup the arm measured."""
+def calibrate(target, drafter, blocks: list[int], repeats: int, end: int):
+    """A fresh calibration of the gate, as ``mtp generate`` would make it on this machine for a
+    generation that ends at ``end`` tokens of context."""
     from . import gate
     from .generation import gate_arms
 
-    cal = gate.calibrate(gate_arms(target, drafter), blocks, repeats=max(3, repeats))
+    contexts = gate.calibration_contexts(target.config.text.max_position_embeddings, end)
+    return gate.calibrate(gate_arms(target, drafter), blocks, contexts, repeats=max(3, repeats))
+
+
+def gate_check(cal, result: dict, blocks: list[int], context: int) -> dict:
+    """What the gate's cost model predicts for each arm at ``context`` tokens (from the
+    calibration ``cal`` and the arm's measured tokens per verify) beside the speedup the arm
+    measured."""
+    from . import gate
+
     classic = result["classic"]["tps"]["median"]
-    out = {"calibration": {"step_ms": cal.step_ms, "round_ms": cal.round_ms}}
+    out = {"calibration": {str(n): {"step_ms": c.step_ms, "round_ms": c.round_ms}
+                           for n, c in cal.costs.items()}, "context": context}  # fmt: skip
     for b in blocks:
         arm = result[f"mtp-{b}"]
         a = _fit_acceptance(arm["tokens_per_verify"]["median"], b - 1)
-        predicted = gate.expected_speedup(cal, b, a)
+        predicted = gate.expected_speedup(cal, b, a, context)
         out[b] = {
             "acceptance_fit": a,
             "predicted_speedup": predicted,
@@ -445,7 +464,9 @@ def to_json(
         "classic_tps": classic,
         "mtp_tps": {b: v["tps"]["median"] for b, v in mtp.items()},
         "speedup": {b: v["tps"]["median"] / classic if classic else 0.0 for b, v in mtp.items()},
-        "acceptance_rate": {b: v["acceptance_rate"]["median"] for b, v in mtp.items()},
+        "acceptance_rate": {
+            b: v["acceptance_rate"]["median"] for b, v in mtp.items() if "acceptance_rate" in v
+        },
         "verify_cost": {T: v["median"] for T, v in (table or {}).get("verify_ms", {}).items()},
         "arms": result,
         "verify_cost_table": table,
@@ -494,6 +515,35 @@ def markdown(doc: dict) -> str:
         ]
     for note in st.get("peer_notes", []):
         lines += ["", f"Peer note: {note}."]
+    if "contexts" in doc:
+        for row in doc["contexts"]:
+            lines += ["", f"## At {row['context']} tokens of context"]
+            lines += _result_lines(row)
+    else:
+        lines += _result_lines(doc)
+    table = doc.get("verify_cost_table")
+    if table:
+        lines += [
+            "",
+            "Verify cost (one forward of T tokens after the first prompt, LM head included, ms):",
+            "",
+            "| T | verify path | plain prefill path | verify / T=1 |",
+            "|---|---|---|---|",
+        ]
+        for T, v in table["verify_ms"].items():
+            lines.append(
+                f"| {T} | {cell(v)} | {cell(table['prefill_ms'][T])} | {table['ratio'][T]:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _result_lines(doc: dict) -> list[str]:
+    """One run's arms table, acceptance by position and the gate's check."""
+
+    def cell(d: dict, f: str = "{:.2f}") -> str:
+        return f"{f.format(d['median'])} ({f.format(d['min'])}-{f.format(d['max'])})"
+
+    lines: list[str] = []
     lines += [
         "",
         "| arm | tok/s | vs classic | acceptance | tokens/verify | draft ms | verify ms "
@@ -503,7 +553,7 @@ def markdown(doc: dict) -> str:
     classic = doc["classic_tps"]
     for arm in doc["arms"].values():
         ratio = arm["tps"]["median"] / classic if classic else 0.0
-        if arm["block_size"]:
+        if "acceptance_rate" in arm:
             extra = [
                 cell(arm["acceptance_rate"], "{:.3f}"),
                 cell(arm["tokens_per_verify"]),
@@ -521,41 +571,39 @@ def markdown(doc: dict) -> str:
             + f" | {arm['peak_memory_gb']:.2f} | {same} |"
         )
     for arm in doc["arms"].values():
-        if arm["block_size"]:
+        if "acceptance_rate" in arm:
             per = ", ".join(f"{a:.3f}" for a in arm["acceptance_by_position"])
             lines.append(f"\nAcceptance by draft position, {arm['name']}: {per}")
+        if "switches" in arm:
+            steps = arm["classic_steps"]["median"]
+            lines.append(
+                f"\n{arm['name']}: MTP switched "
+                + (", ".join(f"{'on' if on else 'off'} at {c} tokens" for c, on in arm["switches"])
+                   or "never")
+                + f" (last run; median {steps:.0f} tokens by classic steps)"
+            )  # fmt: skip
     g = doc.get("gate")
     if g:
-        c = g["calibration"]
+        costs = "; ".join(
+            f"at {n} tokens of context a classic step {c['step_ms']:.2f} ms, rounds "
+            + ", ".join(f"block {b} {v:.2f} ms" for b, v in c["round_ms"].items())
+            for n, c in g["calibration"].items()
+        )
         lines += [
             "",
-            f"The gate's cost model (its calibration: classic step {c['step_ms']:.2f} ms, rounds "
-            + ", ".join(f"block {b} {v:.2f} ms" for b, v in c["round_ms"].items())
-            + "), fed each arm's measured tokens per verify, against the measured speedup:",
+            f"The gate's cost model at {g['context']} tokens of context (its calibration: "
+            f"{costs}), fed each arm's measured tokens per verify, against the measured speedup:",
             "",
             "| block | fitted acceptance | predicted | measured | gate engages |",
             "|---|---|---|---|---|",
         ]
         for b, v in g.items():
-            if b != "calibration":
+            if b not in ("calibration", "context"):
                 lines.append(
                     f"| {b} | {v['acceptance_fit']:.3f} | {v['predicted_speedup']:.2f}x | "
                     f"{v['measured_speedup']:.2f}x | {'yes' if v['gate_engages'] else 'no'} |"
                 )
-    table = doc["verify_cost_table"]
-    if table:
-        lines += [
-            "",
-            "Verify cost (one forward of T tokens after the first prompt, LM head included, ms):",
-            "",
-            "| T | verify path | plain prefill path | verify / T=1 |",
-            "|---|---|---|---|",
-        ]
-        for T, v in table["verify_ms"].items():
-            lines.append(
-                f"| {T} | {cell(v)} | {cell(table['prefill_ms'][T])} | {table['ratio'][T]:.2f} |"
-            )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _prompt_ids(texts: list[str], tokenizer) -> list[list[int]]:
@@ -580,6 +628,7 @@ def run(
     peers: bool = False,
     verify_table: bool = True,
     draft_quantize: Sequence[int] = (),
+    contexts: Sequence[int] = (),
     options: Options = Options(),
     command: str = "",
     progress: Callable[[str], None] = lambda msg: None,
@@ -587,17 +636,25 @@ def run(
     """The whole ``mtp bench``: load (the built-in example without ``model``; random weights of
     a real shape with ``synthetic``), run the arms and peers, the verify-cost table and the
     gate's check; ``draft_quantize`` adds MTP arms with the drafter quantized to those bits.
-    Returns the report's document (``markdown`` renders it)."""
+    With ``contexts`` the arms run after a prompt of each of those lengths instead (the first
+    prompt's tokens repeated), beside an arm whose rounds the gate chooses, and the gate's
+    prediction is made at each length. Returns the report's document (``markdown`` renders
+    it)."""
+    from . import gate
     from . import synthetic as S
     from .config import check_block_size
     from .drafters.qwen3_5_mtp import check_quantize, quantized_copy
     from .example import ensure_example, example_prompts
+    from .generation import gate_arms
     from .loading import load_pair
 
     for b in blocks:
         check_block_size(b)
     for q in draft_quantize:
         check_quantize(q)
+    for n in contexts:
+        if n < 1:
+            raise UsageError(f"must be at least 1, got {n}", param="context")
     if simulate is not None and not 0 <= simulate <= 1:
         raise UsageError(f"--simulate-acceptance must be in [0, 1], got {simulate}")
     texts = read_prompts(prompts_file) if prompts_file is not None else None
@@ -632,15 +689,12 @@ def run(
     if texts is None:
         texts = example_prompts()[:3] if on_example else DEFAULT_PROMPTS
     prompts = _prompt_ids(texts, tokenizer)
+    limit = target.config.text.max_position_embeddings
+    for n in contexts:
+        if n + max_tokens > limit:
+            raise UsageError(f"of {n} tokens leaves no room for {max_tokens} generated ones "
+                             f"within the model's {limit} positions", param="context")  # fmt: skip
     quantized = {q: quantized_copy(drafter, q, options) for q in dict.fromkeys(draft_quantize)}
-    result = compare(target, drafter, prompts, blocks=list(blocks), max_tokens=max_tokens,
-                     repeats=repeats, simulate=simulate, peers=peers, vlm=vlm,
-                     quantized=quantized, progress=progress)  # fmt: skip
-    progress("verify-cost table")
-    table = verify_cost_table(target, prompts[0], max(3, repeats)) if verify_table else None
-    progress("gate calibration")
-    gate_doc = gate_check(target, drafter, result, list(blocks), repeats)
-    info = machine() | {"load_before": load_before, "load_after": os.getloadavg()}
     settings = {
         "command": command, "model": label, "blocks": list(blocks), "repeats": repeats,
         "max_tokens": max_tokens, "prompts": len(prompts), "simulate_acceptance": simulate,
@@ -648,4 +702,32 @@ def run(
         "qmm": options.qmm_label,
         "submit_every": target.submit_every, "peer_notes": peer_notes,
     }  # fmt: skip
+    if contexts:
+        progress("gate calibration")
+        cal = calibrate(target, drafter, list(blocks), repeats, max(contexts) + max_tokens)
+        prior = simulate if simulate is not None else cal.acceptance or gate.PRIOR_ACCEPTANCE
+        chooser = gate.BlockChooser(cal, tuple(blocks), prior)
+        rows = []
+        for n in contexts:
+            prompt = (prompts[0] * (n // len(prompts[0]) + 1))[:n]  # [n]
+            result = compare(target, drafter, [prompt], blocks=list(blocks),
+                             max_tokens=max_tokens, repeats=repeats, simulate=simulate,
+                             peers=peers, quantized=quantized, gated=chooser,
+                             progress=lambda msg, n=n: progress(f"context {n}: {msg}"))  # fmt: skip
+            row = to_json(result, None, {}, {}, gate_check(cal, result, list(blocks), n))
+            rows.append({"context": n} | {k: v for k, v in row.items()
+                                          if k not in ("machine", "settings")})  # fmt: skip
+        info = machine() | {"load_before": load_before, "load_after": os.getloadavg()}
+        settings |= {"prompts": 1, "contexts": list(contexts)}
+        return {"machine": info, "settings": settings, "contexts": rows}
+    result = compare(target, drafter, prompts, blocks=list(blocks), max_tokens=max_tokens,
+                     repeats=repeats, simulate=simulate, peers=peers, vlm=vlm,
+                     quantized=quantized, progress=progress)  # fmt: skip
+    progress("verify-cost table")
+    table = verify_cost_table(target, prompts[0], max(3, repeats)) if verify_table else None
+    progress("gate calibration")
+    # the prompts are short: the gate's costs at its shortest context
+    cal = gate.calibrate(gate_arms(target, drafter), list(blocks), repeats=max(3, repeats))
+    gate_doc = gate_check(cal, result, list(blocks), gate.SHORT)
+    info = machine() | {"load_before": load_before, "load_after": os.getloadavg()}
     return to_json(result, table, info, settings, gate_doc)

@@ -459,6 +459,12 @@ def bench(
         help="Also run MTP arms with the drafter quantized to 4 or 8 "
         "bits (repeatable), beside the drafter as loaded.",
     ),  # fmt: skip
+    context: list[int] = typer.Option(
+        [],
+        "--context",
+        help="Run the arms after a prompt of this many tokens instead (repeatable), beside MTP "
+        "whose rounds the gate chooses, with the gate's prediction at that length.",
+    ),  # fmt: skip
     out: Path | None = typer.Option(None, "--out", help="Write Markdown and JSON here."),
     as_json: bool = typer.Option(False, "--json", metavar="", help="Print one JSON object."),
     kernels: str = typer.Option(
@@ -469,7 +475,7 @@ def bench(
     ),
 ) -> None:
     """Classic vs MTP decoding side by side, with the verify-cost table (medians, min-max)."""
-    state["flags"] = {"block_size": "--block-size"}
+    state["flags"] = {"block_size": "--block-size", "context": "--context"}
     from rich.progress import Progress
 
     from . import bench as B
@@ -495,7 +501,7 @@ def bench(
             model, draft_model, synthetic=synthetic, bits=bits, blocks=block_size,
             repeats=repeats, max_tokens=max_tokens, prompts_file=prompts_file,
             simulate=simulate_acceptance, peers=peers, verify_table=verify_table,
-            draft_quantize=draft_quantize,
+            draft_quantize=draft_quantize, contexts=context,
             options=options, command="mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             progress=progress,
         )  # fmt: skip

@@ -209,14 +209,17 @@ class Arms:
     mtp: Callable[[int, int], Run]  # block, context -> run
 
 
-def calibration_contexts(limit: int, tokens: int = 32) -> tuple[int, ...]:
+def calibration_contexts(limit: int, end: int | None = None, tokens: int = 32) -> tuple[int, ...]:
     """The ``CONTEXTS`` a model of ``limit`` positions has room for (a prompt, ``tokens``
-    generated and a round's block); half its room where only the shortest fits."""
+    generated and a round's block; half its room where only the shortest fits), and of those,
+    with ``end`` (the context a generation ends at), the shortest and those it comes within a
+    quarter of: nearer the shortest, a step's and a round's attention is a small share of their
+    cost, and each length timed costs prefills of that length."""
     room = limit - tokens - BLOCK_MAX
-    fits = tuple(c for c in CONTEXTS if c <= room)
+    fits = tuple(c for c in CONTEXTS if c <= room) or (SHORT,)
     if len(fits) == 1 and room // 2 > 4 * SHORT:
         fits += (room // 2,)
-    return fits or (SHORT,)
+    return tuple(c for i, c in enumerate(fits) if i == 0 or end is None or end >= c // 4)
 
 
 def calibrate(
@@ -355,18 +358,14 @@ class GateStore:
             out[part] = {k: v for k, v in entries.items() if k not in bad}
         return out
 
-    def calibration(self, key: str, blocks: list[int],
-                    contexts: tuple[int, ...] = (SHORT,)) -> Calibration | None:  # fmt: skip
-        """The costs kept for ``key``, if they hold every block at every context asked for."""
+    def calibration(self, key: str, blocks: list[int]) -> Calibration | None:
+        """The costs kept for ``key`` at every context length where they hold all ``blocks``
+        (None where there is none)."""
         c = self.data["calibrations"].get(key)
-        if not c:
-            return None
         costs = {int(n): Costs(v["step_ms"], {int(b): ms for b, ms in v["round_ms"].items()})
-                 for n, v in c["costs"].items()}  # fmt: skip
-        if any(n not in costs or any(b not in costs[n].round_ms for b in blocks)
-               for n in contexts):  # fmt: skip
-            return None
-        return Calibration({n: costs[n] for n in contexts})
+                 for n, v in (c or {}).get("costs", {}).items()}  # fmt: skip
+        full = {n: v for n, v in costs.items() if all(b in v.round_ms for b in blocks)}
+        return Calibration(full) if full else None
 
     def put_calibration(self, key: str, cal: Calibration) -> None:
         def put(data: dict) -> None:
@@ -458,14 +457,16 @@ def gate(
     runs: Arms,
     *,
     context: int = 0,
+    max_tokens: int = 0,
     forced: bool = False,
     adapt: bool = False,
     note: Callable[[str], None] = lambda msg: None,
 ) -> GateDecision:
     """Decide whether this run should use MTP, and at which block size.
 
-    ``runs`` are what a calibration times (when this machine and shape have none cached);
-    ``context`` is the prompt's length; ``forced`` (``--draft-kind mtp``) runs MTP at
+    ``runs`` are what a calibration times (where this machine and shape have none cached at
+    the context lengths the generation reaches); ``context`` is the prompt's length,
+    ``max_tokens`` how far it may grow; ``forced`` (``--draft-kind mtp``) runs MTP at
     ``block``, whatever the context; ``adapt`` (no block size asked for) lets the gate pick
     among ``ADAPT_BLOCKS`` and ``block``; ``note`` is told before a calibration (a few short
     generations at each context length) and of any problem with the cache. Unless forced, the
@@ -475,17 +476,20 @@ def gate(
     if forced:
         return GateDecision(True, block, "forced: MTP runs whatever the cost model expects", None)
     blocks = sorted({block, *ADAPT_BLOCKS}) if adapt else [block]
-    contexts = calibration_contexts(target.config.text.max_position_embeddings)
+    limit = target.config.text.max_position_embeddings
+    needed = calibration_contexts(limit, end=context + max_tokens)
     st = store()
     key = machine_key(target.options) + "#" + shape_key(target, drafter)
-    cal = st.calibration(key, blocks, contexts)
+    cal = st.calibration(key, blocks)
+    missing = tuple(n for n in needed if cal is None or n not in cal.costs)
     seen = None
-    if cal is None:
-        note("calibrating the MTP gate (once per machine and model shape, at "
-             f"{', '.join(map(str, contexts))} tokens of context)")  # fmt: skip
-        cal = calibrate(runs, blocks, contexts)
-        st.put_calibration(key, cal)
-        seen = cal.acceptance
+    if missing:
+        note("calibrating the MTP gate (once per machine, model shape and context length: "
+             f"{', '.join(map(str, missing))} tokens)")  # fmt: skip
+        new = calibrate(runs, blocks, missing)
+        st.put_calibration(key, new)
+        seen = new.acceptance
+        cal = Calibration((cal.costs if cal else {}) | new.costs)
     known = st.acceptance(pair)
     if known is None and seen is not None:  # this pair, if on a made-up prompt: beats the prior
         known = (seen, "measured while calibrating")

@@ -166,7 +166,8 @@ def generate(
     if pair.drafter is not None:
         decision = gate.gate(
             target, pair.drafter, block_size or pair.drafter.block_size, pair.pair_key,
-            gate_arms(target, pair.drafter), context=len(ids), forced=force_mtp,
+            gate_arms(target, pair.drafter), context=len(ids), max_tokens=max_tokens,
+            forced=force_mtp,
             adapt=block_size is None, note=note,
         )  # fmt: skip
         on_decision(decision)

@@ -205,3 +205,32 @@ def test_the_report_to_a_pipe_keeps_its_tables_whole(capsys):
             line.startswith("| mtp block")]  # fmt: skip
     assert len(rows) == 2 and "…" not in out
     assert all(re.search(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", row) for row in rows)
+
+
+def test_bench_at_context_lengths(capsys, tmp_path):
+    """--context: the arms after prompts of those lengths, MTP whose rounds the gate chooses
+    beside them (its tokens classic's too), and the gate's prediction at each length."""
+    doc = _bench(capsys, "--context", "64", "--context", "320", "--simulate-acceptance", "0.6",
+                 "--no-verify-table", "--out", str(tmp_path))  # fmt: skip
+    assert doc["settings"]["contexts"] == [64, 320]
+    assert [row["context"] for row in doc["contexts"]] == [64, 320]
+    for row in doc["contexts"]:
+        assert row["classic_tps"] > 0 and set(row["arms"]) == {"classic", "mtp-3", "mtp-gated"}
+        assert all(
+            arm["same_tokens_as_classic"] for k, arm in row["arms"].items() if k != "classic"
+        )
+        g = row["gate"]
+        assert g["context"] == row["context"] and g["3"]["predicted_speedup"] > 0
+        # ending below a quarter of the next length the example has room for (2024), the gate
+        # times its shortest alone
+        assert list(g["calibration"]) == ["16"]
+    md = next(tmp_path.glob("bench-*.md")).read_text()
+    assert "## At 64 tokens of context" in md and "## At 320 tokens of context" in md
+    assert "mtp, rounds chosen by the gate" in md
+
+
+@pytest.mark.parametrize("value", ["0", "4090"])
+def test_bench_refuses_a_context_the_model_has_no_room_for(capsys, value):
+    capsys.readouterr()
+    assert run(["bench", "--context", value, "-n", "12"]) == 2
+    assert "--context" in capsys.readouterr().err

@@ -174,13 +174,14 @@ def _gate_cache(fn):
     return setup
 
 
-def _every(key: str, value):
-    """Set ``key`` of every calibration's costs (every block's, for round_ms) to ``value``."""
+def _every(part: str, key: str, value):
+    """Set ``key`` of every entry of ``part`` (of a calibration, of its costs at every context
+    length; every block's, for round_ms) to ``value``."""
 
     def fn(data):
-        for entry in data["calibrations"].values():
-            for costs in entry["costs"].values():
-                costs[key] = dict.fromkeys(costs[key], value) if key == "round_ms" else value
+        for entry in data[part].values():
+            for e in entry["costs"].values() if part == "calibrations" else [entry]:
+                e[key] = dict.fromkeys(e[key], value) if key == "round_ms" else value
 
     return fn
 
@@ -323,8 +324,8 @@ CASES = [
     # The gate cache: validated, merged under a lock, never leaking.
     Case("gate-wrong-version", PAIR, 0, r"gate cache .*: not this version's format", "gate.GateStore._read", setup=_gate_cache(lambda d: d.update(version=99)), check=_recalibrated),  # noqa: E501
     Case("gate-version-only", PAIR, 0, r"dropped all invalid calibrations", "gate.GateStore._read", setup=_gate_cache(lambda d: [d.pop("calibrations"), d.pop("acceptance")]), check=_recalibrated),  # noqa: E501
-    Case("gate-round-ms-zero", PAIR, 0, r"dropped 1 invalid calibrations", "gate._valid_calibration", setup=_gate_cache(_every("round_ms", 0)), check=_recalibrated),  # noqa: E501
-    Case("gate-step-ms-1e9", PAIR, 0, r"dropped 1 invalid calibrations", "gate._valid_calibration", setup=_gate_cache(_every("step_ms", 1e9)), check=_recalibrated),  # noqa: E501
+    Case("gate-round-ms-zero", PAIR, 0, r"dropped 1 invalid calibrations", "gate._valid_calibration", setup=_gate_cache(_every("calibrations", "round_ms", 0)), check=_recalibrated),  # noqa: E501
+    Case("gate-step-ms-1e9", PAIR, 0, r"dropped 1 invalid calibrations", "gate._valid_calibration", setup=_gate_cache(_every("calibrations", "step_ms", 1e9)), check=_recalibrated),  # noqa: E501
     Case("gate-entry-not-object", PAIR, 0, r"dropped 1 invalid calibrations", "gate._valid_calibration", setup=_gate_cache(lambda d: d["calibrations"].update(dict.fromkeys(d["calibrations"], 5))), check=_recalibrated),  # noqa: E501
     Case("gate-acceptance-word", PAIR, 0, r"dropped 1 invalid acceptance", "gate._valid_acceptance", setup=_gate_cache(_every("acceptance", "value", "high"))),  # noqa: E501
     Case("gate-acceptance-nan", PAIR, 0, r"dropped 1 invalid acceptance", "gate._valid_acceptance", setup=_gate_cache(_every("acceptance", "value", float("nan")))),  # noqa: E501
@@ -352,7 +353,7 @@ CASES = [
     Case("weights-nan-after-the-prompt-mtp", ("generate", "-m", "{t}", "--draft-model", "{d}", "--draft-kind", "mtp", "-p", "hi", "-n", "4", "--ignore-chat-template"), 1, r"logits at generated token 1 are not finite", "sampling.accept: check_finite", setup=_nan_after_the_prompt),  # noqa: E501
     Case("gate-lock-fifo", PAIR, 0, r"gate cache .* not written \(its lock .* is not a regular file\)", "gate._locked", setup=_lock_fifo, shell="{cmd}"),  # noqa: E501
     Case("gate-round-key-superscript", PAIR, 0, r"dropped 1 invalid calibrations", "gate._valid_calibration: ASCII digits", setup=_gate_cache(_rename_rounds(lambda b: "\u00b2" if b == "2" else b)), check=_recalibrated),  # noqa: E501
-    Case("gate-round-ms-tiny", PAIR, 0, r"dropped 1 invalid calibrations", "gate.MIN_MS", setup=_gate_cache(_every("round_ms", 1e-300)), check=_recalibrated),  # noqa: E501
+    Case("gate-round-ms-tiny", PAIR, 0, r"dropped 1 invalid calibrations", "gate.MIN_MS", setup=_gate_cache(_every("calibrations", "round_ms", 1e-300)), check=_recalibrated),  # noqa: E501
 ]  # fmt: skip
 
 

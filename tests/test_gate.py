@@ -59,6 +59,10 @@ def test_store_merges_block_sizes_and_survives_a_corrupt_file(tmp_path):
     again = GateStore(path)
     assert again.calibration("k", [3, 4]).at(0).round_ms == {3: 1.5, 4: 1.8}
     assert again.calibration("k", [5]) is None and again.calibration("other", [3]) is None
+    s.put_calibration("k", Calibration({4096: Costs(2.0, {3: 3.5})}))  # a longer context
+    both = GateStore(path).calibration("k", [3])
+    assert both.contexts == [16, 4096] and both.at(4096).round_ms == {3: 3.5}
+    assert GateStore(path).calibration("k", [3, 4]).contexts == [16]  # where all blocks are
     again.put_acceptance("pair", 0.7)
     assert GateStore(path).acceptance("pair") == (0.7, "last run")
     path.write_text("{not json")
@@ -255,6 +259,10 @@ def test_calibration_contexts_fit_the_model():
     # the example: room for a prompt of 4096 - 32 generated - the largest block (16)
     assert gate.calibration_contexts(4096) == (16, (4096 - 32 - 16) // 2)
     assert gate.calibration_contexts(100) == (16,)
+    # a generation times the lengths it comes within a quarter of
+    assert gate.calibration_contexts(262144, end=300) == (16,)
+    assert gate.calibration_contexts(262144, end=1024) == (16, 4096)
+    assert gate.calibration_contexts(262144, end=5000) == (16, 4096, 16384)
 
 
 # At acceptance 0.8 a block-3 round emits 2.44 tokens: 1.74x classic at 16 tokens of context,
@@ -331,9 +339,14 @@ def test_the_drafter_catches_up_while_rounds_are_off(load, monkeypatch):
     at_once = _drafts_after_a_classic_stretch(loaded, monkeypatch, 10**6)
     assert batched == at_once and len(batched) > 5
 
-    def forget(self, drafter, cache):
+    real = Unseen.catch_up
+
+    def forget(self, drafter, cache, batch=None):  # the prompt's catch-up as it is
+        if batch is not None:
+            return real(self, drafter, cache, batch)
         if len(self.tokens) > self.BATCH:
             self.tokens, self.hidden = self.tokens[-1:], self.hidden[-1:]
+        return None
 
     monkeypatch.setattr(Unseen, "catch_up", forget)
     assert _drafts_after_a_classic_stretch(loaded, monkeypatch, 8) != batched

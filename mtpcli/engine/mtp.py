@@ -72,14 +72,19 @@ class Unseen:
         hidden = self.hidden[0] if len(self.hidden) == 1 else mx.concatenate(self.hidden, 1)
         return mx.array(self.tokens, mx.uint32), hidden
 
-    def catch_up(self, drafter: Drafter, cache: list) -> None:
-        """Past ``BATCH`` tokens, submit the drafter's forward over all but the newest (the
-        next draft starts from it)."""
-        if len(self.tokens) > self.BATCH:
-            seen = drafter.forward(mx.array(self.tokens[:-1], mx.uint32)[None],
-                                   mx.concatenate(self.hidden[:-1], axis=1), cache)  # fmt: skip
-            mx.async_eval(seen)
-            self.tokens, self.hidden = self.tokens[-1:], self.hidden[-1:]
+    def catch_up(self, drafter: Drafter, cache: list, batch: int | None = None) -> mx.array | None:
+        """Past ``batch`` tokens (``BATCH``), submit the drafter's forward over all but the
+        newest (the next draft starts from it); returns that forward's output."""
+        if len(self.tokens) <= (self.BATCH if batch is None else batch):
+            return None
+        hidden = (
+            self.hidden[0][:, :-1] if len(self.hidden) == 1 else mx.concatenate(self.hidden[:-1], 1)
+        )
+        seen = drafter.forward(mx.array(self.tokens[:-1], mx.uint32)[None], hidden, cache)
+        mx.async_eval(seen)
+        last = self.hidden[-1][:, -1:]
+        self.tokens, self.hidden = self.tokens[-1:], [last]
+        return seen
 
 
 def generate_mtp(
@@ -114,9 +119,12 @@ def generate_mtp(
     start = time.perf_counter()
     hidden = target.prefill(tokens, tcache, on_prefill)  # [1, L, H]
     pending = int(pick(first_logits(target, hidden), sampling).item())
+    unseen = Unseen(tokens[0, 1:].tolist() + [pending], hidden)
+    caught = unseen.catch_up(drafter, dcache, batch=1)  # the drafter's part of the prompt
+    if caught is not None:
+        mx.eval(caught)
     stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
     start = time.perf_counter()
-    unseen = Unseen(tokens[0, 1:].tolist() + [pending], hidden)
     emitted, n = [pending], 0
     queued = None  # a classic step already submitted: it feeds ``pending``
     choose = choose_block or (lambda stats, context: block_size)
