@@ -59,6 +59,7 @@ class Unseen:
     # While the rounds are off, the drafter catches up in batches of this many tokens (its
     # cache stays current and the hidden states held stay few).
     BATCH = 256
+    CHUNK = 2048  # the most tokens one catch-up forward takes (a long prompt's in parts)
 
     def __init__(self, tokens: list[int], hidden: mx.array) -> None:
         self.tokens, self.hidden = tokens, [hidden]  # [1, *, H] each
@@ -80,8 +81,11 @@ class Unseen:
         hidden = (
             self.hidden[0][:, :-1] if len(self.hidden) == 1 else mx.concatenate(self.hidden[:-1], 1)
         )
-        seen = drafter.forward(mx.array(self.tokens[:-1], mx.uint32)[None], hidden, cache)
-        mx.async_eval(seen)
+        tokens = mx.array(self.tokens[:-1], mx.uint32)[None]  # [1, L]
+        for i in range(0, tokens.shape[1], self.CHUNK):  # a long prompt's attention in parts
+            seen = drafter.forward(tokens[:, i : i + self.CHUNK], hidden[:, i : i + self.CHUNK],
+                                   cache)  # fmt: skip
+            mx.async_eval(seen)
         last = self.hidden[-1][:, -1:]
         self.tokens, self.hidden = self.tokens[-1:], [last]
         return seen
