@@ -55,7 +55,7 @@ STORE_VERSION = 4
 SHORT = 16  # the made-up prompt's length: the shortest context timed
 # Context lengths timed (those the model has room for): the costs between are interpolated,
 # those past the longest extrapolated along the last two points.
-CONTEXTS = (SHORT, 4096, 16384)
+CONTEXTS = (SHORT, 4096, 16384, 65536)
 MAX_CONTEXT = 10**7
 
 

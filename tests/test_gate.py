@@ -254,7 +254,8 @@ def test_costs_between_and_past_the_timed_contexts():
 
 
 def test_calibration_contexts_fit_the_model():
-    assert gate.calibration_contexts(262144) == (16, 4096, 16384)
+    assert gate.calibration_contexts(262144) == (16, 4096, 16384, 65536)
+    assert gate.calibration_contexts(32768) == (16, 4096, 16384)
     assert gate.calibration_contexts(8192) == (16, 4096)
     # the example: room for a prompt of 4096 - 32 generated - the largest block (16)
     assert gate.calibration_contexts(4096) == (16, (4096 - 32 - 16) // 2)
@@ -263,6 +264,7 @@ def test_calibration_contexts_fit_the_model():
     assert gate.calibration_contexts(262144, end=300) == (16,)
     assert gate.calibration_contexts(262144, end=1024) == (16, 4096)
     assert gate.calibration_contexts(262144, end=5000) == (16, 4096, 16384)
+    assert gate.calibration_contexts(262144, end=20000) == (16, 4096, 16384, 65536)
 
 
 # At acceptance 0.8 a block-3 round emits 2.44 tokens: 1.74x classic at 16 tokens of context,
