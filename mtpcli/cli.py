@@ -115,6 +115,9 @@ def _mtp_line(result) -> str:
         if result.expected_speedup is not None
         else "forced by --draft-kind mtp"
     )
+    if result.mtp_engaged and result.mtp_from_context is not None:
+        return (f"MTP: on from about {result.mtp_from_context} tokens of context, block "
+                f"{result.block_size} ({why} at the prompt)")  # fmt: skip
     if result.mtp_engaged:
         return f"MTP: on, block {result.block_size} ({why})"
     return f"MTP: off ({why}; --draft-kind mtp runs it anyway)"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import platform
@@ -114,6 +115,8 @@ class GateDecision:
     expected_speedup: float | None  # None when forced
     # where the gate chose the block: it may change it round by round as acceptance is seen
     chooser: BlockChooser | None = None
+    # where rounds are expected to pay only once the context has grown: from about here
+    starts_at: int | None = None
 
 
 def tokens_per_round(acceptance: float, drafts: int) -> float:
@@ -149,6 +152,25 @@ def decide(cal: Calibration, blocks: list[int], acceptance: float, source: str,
     return GateDecision(engaged, block, reason, speedup)
 
 
+def first_paying(cal: Calibration, blocks: list[int], acceptance: float, start: int,
+                 end: int) -> int | None:  # fmt: skip
+    """The first context in (start, end] where a round of one of ``blocks`` is expected to clear
+    ``MARGIN``, or None. Between timed lengths a block's expected speedup, a ratio of two costs
+    linear in the context, is monotone: each stretch is settled at its ends, then bisected."""
+
+    def pays(context: int) -> bool:
+        return max(expected_speedup(cal, b, acceptance, context) for b in blocks) >= MARGIN
+
+    edges = sorted({start, end} | {p for p in cal.contexts if start < p < end})
+    for lo, hi in itertools.pairwise(edges):
+        if pays(hi):
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if pays(mid) else (mid, hi)
+            return hi
+    return None
+
+
 def acceptance_estimate(stats: MTPStats) -> float | None:
     """The per-draft acceptance a of a run (maximum likelihood for the truncated chain)."""
     return stats.accepted / stats.examined if stats.examined else None
@@ -166,12 +188,14 @@ class BlockChooser:
     blocks: tuple[int, ...]
     prior: float
     weight: float = 8.0
+    starts_on: bool = True  # whether rounds run before the first switch
 
     def __call__(self, stats: MTPStats, context: int) -> int:
         a = (self.prior * self.weight + stats.accepted) / (self.weight + stats.examined)
         speedups = {b: expected_speedup(self.cal, b, a, context) for b in self.blocks}
         block = max(self.blocks, key=lambda b: (speedups[b], -b))
-        return block if speedups[block] >= (KEEP_ABOVE if stats.on else MARGIN) else 1
+        on = stats.switches[-1][1] if stats.switches else self.starts_on
+        return block if speedups[block] >= (KEEP_ABOVE if on else MARGIN) else 1
 
 
 def machine_key(options: Options) -> str:
@@ -498,9 +522,17 @@ def gate(
         note(msg)
     acceptance, source = known or (PRIOR_ACCEPTANCE, "prior")
     decision = decide(cal, blocks, acceptance, source, context)
+    later = None
+    if not decision.engaged and max_tokens:
+        later = first_paying(cal, blocks, acceptance, context, context + max_tokens)
+    if later is not None:  # classic steps first, rounds once they pay
+        decision = replace(decision, engaged=True, starts_at=later, reason=(
+            decision.reason.rsplit("; ", 1)[0] + f"; below {MARGIN:.2f}x here, but expected to "
+            f"clear it from about {later} tokens of context: classic steps until then, MTP "
+            "rounds after"))  # fmt: skip
     # Round by round the acceptance seen and the context reached may move the block (where
-    # adapting) or switch MTP off where no round pays.
-    chooser = BlockChooser(cal, tuple(blocks), acceptance)
+    # adapting) or switch MTP off where no round pays, and on again.
+    chooser = BlockChooser(cal, tuple(blocks), acceptance, starts_on=later is None)
     return replace(decision, chooser=chooser)
 
 

@@ -30,10 +30,12 @@ class GenerateResult:
     block_size: int | None  # the block size MTP ran (or would have run) at
     mtp_engaged: bool
     gate_reason: str | None  # why the gate engaged MTP or kept it off
-    expected_speedup: float | None  # the gate's prediction for this run
+    expected_speedup: float | None  # the gate's prediction for this run, at the prompt
     stats: GenerationStats = field(default_factory=GenerationStats)
     # "stop" (EOS or a stop string), "length" (max_tokens reached) or "cancelled"
     finish_reason: str = "stop"
+    # where MTP was engaged to start once the context has grown: from about this many tokens
+    mtp_from_context: int | None = None
 
     def as_dict(self) -> dict:
         """The result as JSON-ready data (``mtp generate --json``)."""
@@ -71,6 +73,7 @@ class GenerateResult:
             "gate_reason": self.gate_reason,
             "expected_speedup": self.expected_speedup,
             "finish_reason": self.finish_reason,
+            "mtp_from_context": self.mtp_from_context,
             "stats": stats,
         }
 
@@ -212,7 +215,7 @@ def generate(
         block_size=decision.block if decision else None, mtp_engaged=engaged,
         gate_reason=decision.reason if decision else None,
         expected_speedup=decision.expected_speedup if decision else None, stats=stats,
-        finish_reason=finish,
+        finish_reason=finish, mtp_from_context=decision.starts_at if decision else None,
     )  # fmt: skip
 
 

@@ -53,11 +53,6 @@ class MTPStats:
         self.switches.append((context, on))
 
     @property
-    def on(self) -> bool:
-        """Whether MTP rounds run now (until the first switch, they do)."""
-        return self.switches[-1][1] if self.switches else True
-
-    @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 

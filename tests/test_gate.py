@@ -288,7 +288,9 @@ def test_block_chooser_switches_mtp_off_where_rounds_stop_paying():
     stats.switch(9000, False)
     assert choose(stats, 7500) == 1  # 1.03x: off, it needs the margin to come back on
     assert choose(stats, 6000) == 3  # 1.09x
-    assert stats.on is False and stats.switches == [(9000, False)]
+    assert stats.switches == [(9000, False)]
+    late = gate.BlockChooser(CONTEXT_COSTS, (3,), prior=0.8, weight=1e9, starts_on=False)
+    assert late(MTPStats(3), 7500) == 1  # not yet switched on: the margin applies
 
 
 def test_mtp_switched_off_and_on_mid_generation_stays_exact(load, monkeypatch):
@@ -332,14 +334,17 @@ def _drafts_after_a_classic_stretch(loaded, monkeypatch, batch: int) -> list[lis
 
 def test_the_drafter_catches_up_while_rounds_are_off(load, monkeypatch):
     """After a stretch of classic steps the drafter drafts from the whole context: the same
-    drafts whether it caught up in batches or at once; with the catch-up dropping its tokens
-    unseen, they differ."""
+    drafts whether it caught up in batches or at once, in forwards of any length; with the
+    catch-up dropping its tokens unseen, they differ."""
     from mtpcli.engine.mtp import Unseen
 
     loaded = load(bits=4, drafter="random")  # its drafts depend on what it has attended to
     batched = _drafts_after_a_classic_stretch(loaded, monkeypatch, 8)
     at_once = _drafts_after_a_classic_stretch(loaded, monkeypatch, 10**6)
     assert batched == at_once and len(batched) > 5
+    monkeypatch.setattr(Unseen, "CHUNK", 3)  # the prompt's and each batch's forward in parts
+    assert _drafts_after_a_classic_stretch(loaded, monkeypatch, 8) == batched
+    monkeypatch.setattr(Unseen, "CHUNK", 2048)
 
     real = Unseen.catch_up
 
@@ -352,3 +357,38 @@ def test_the_drafter_catches_up_while_rounds_are_off(load, monkeypatch):
 
     monkeypatch.setattr(Unseen, "catch_up", forget)
     assert _drafts_after_a_classic_stretch(loaded, monkeypatch, 8) != batched
+
+
+# A machine where a round's cost grows more slowly than a step's: at acceptance 0.6 (1.96
+# tokens a round) 0.98x at 16 tokens of context, 1.31x at 4096, 1.05x near 644.
+RISING = Calibration({16: Costs(10.0, {3: 20.0}), 4096: Costs(20.0, {3: 30.0})})
+
+
+def test_first_context_where_rounds_pay():
+    at = gate.first_paying(RISING, [3], 0.6, 16, 3000)
+    assert 640 <= at <= 650
+    assert gate.expected_speedup(RISING, 3, 0.6, at) >= gate.MARGIN
+    assert gate.expected_speedup(RISING, 3, 0.6, at - 1) < gate.MARGIN
+    assert gate.first_paying(RISING, [3], 0.6, 16, 600) is None  # ends before it pays
+
+
+def test_cli_starts_mtp_where_the_context_makes_it_pay(tmp_path, monkeypatch, capsys):
+    """Below the margin at the prompt but above it further on: the MTP engine runs, classic
+    steps first (tokens still classic's), rounds from about the context where they pay."""
+
+    def calibrate(runs, blocks, contexts=(16,), repeats=3):  # 0.98x at 16, 1.36x at 60
+        return Calibration({16: Costs(10.0, dict.fromkeys(blocks, 20.0)),
+                            60: Costs(14.0, dict.fromkeys(blocks, 20.2))}, 0.6)  # fmt: skip
+
+    monkeypatch.setattr(gate, "store", lambda: GateStore(tmp_path / "gate.json"))
+    monkeypatch.setattr(gate, "calibrate", calibrate)
+    doc = _generate(capsys, "--draft-block-size", "3")
+    prompt = doc["stats"]["prompt_tokens"]
+    assert doc["mtp_engaged"] is True and prompt < doc["mtp_from_context"] < prompt + 20
+    assert "classic steps until then" in doc["gate_reason"]
+    first, *rest = doc["stats"]["switches"]
+    assert first == {"context": prompt, "mtp": False} and doc["stats"]["classic_steps"] > 0
+    assert rest and rest[0]["mtp"] is True and doc["stats"]["rounds"] > 0
+    assert rest[0]["context"] >= doc["mtp_from_context"]
+    classic = _generate(capsys, "--draft-kind", "none")
+    assert doc["tokens"] == classic["tokens"]

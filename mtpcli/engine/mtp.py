@@ -131,6 +131,7 @@ def generate_mtp(
     start = time.perf_counter()
     emitted, n = [pending], 0
     queued = None  # a classic step already submitted: it feeds ``pending``
+    rounds = True  # whether the last token came from a round (False: from a classic step)
     choose = choose_block or (lambda stats, context: block_size)
     try:
         while True:
@@ -145,8 +146,9 @@ def generate_mtp(
             context = tokens.shape[1] + n - 1  # all but ``pending`` are in the target's cache
             b = 1 if queued is not None else choose(rs, context)
             if b == 1:
-                if rs.on:
-                    rs.switch(context, False)
+                if rounds:
+                    rounds = False
+                    rs.switch(context, rounds)
                 y, seen, h = queued or decode_step(target, tcache, mx.array(pending, mx.uint32),
                                                    sampling)  # fmt: skip
                 # the next step goes out before this one is read, when it is classic too
@@ -158,8 +160,9 @@ def generate_mtp(
                 unseen.catch_up(drafter, dcache)
                 emitted = [pending]
                 continue
-            if not rs.on:
-                rs.switch(context, True)
+            if not rounds:
+                rounds = True
+                rs.switch(context, rounds)
             k = min(b, block_size) - 1
             t0 = time.perf_counter()
             drafts, q = propose(drafter, target, *unseen.arrays(), dcache, k, sampling)
