@@ -432,7 +432,8 @@ def bench(
         None,
         "--synthetic",
         help="Random weights of a real shape, built in memory: qwen3.8-27b, qwen3.5-small, "
-        "qwen3.5-35b-a3b (MoE), tiny, tiny-moe, qwen3.8-27b-layers (27B layer count, tiny widths).",
+        "qwen3.5-35b-a3b (MoE), tiny, tiny-moe, qwen3.8-27b-layers and qwen3.5-35b-a3b-layers "
+        "(the layer counts and routing at tiny widths).",
     ),
     bits: int = typer.Option(4, "--bits", help="With --synthetic: 4, 8 or 16 (bf16)."),
     block_size: list[int] = typer.Option([3], "--block-size", help="MTP block size; repeatable."),

@@ -64,6 +64,9 @@ SHAPES: dict[str, dict] = {
 # The 27B shape's 64 layers (48 gated-delta, 16 attention) at "tiny"'s widths: the host's graph
 # building and launch count of the real layer stack, on any machine.
 SHAPES["qwen3.8-27b-layers"] = {**SHAPES["tiny"], "num_hidden_layers": 64}
+# The 35B-A3B's 40 layers and routing (256 experts, 8 a token) at tiny widths: its launch count.
+SHAPES["qwen3.5-35b-a3b-layers"] = {**SHAPES["tiny-moe"], "num_hidden_layers": 40,
+                                    "num_experts": 256, "num_experts_per_tok": 8}  # fmt: skip
 
 
 def _randomize(module: nn.Module, bits: int | None, seed: int) -> None:

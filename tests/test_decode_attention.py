@@ -94,7 +94,7 @@ def _emulated(
 def test_emulated_kernels_read_the_cache_length_from_their_input(N):
     """The cache as the first N rows of a longer buffer, N given as an input (as the model's
     graph gives it): bitwise the kernels on the N rows alone; a wrong N changes the output."""
-    args = _inputs(N=N, Hq=4, Hkv=2, T=3)
+    args = _inputs(B=1, N=N, Hq=4, Hkv=2, T=3)  # batches: the reference test above
     ks = mx.random.split(mx.random.key(99), 2)
     pad = [mx.random.normal((*a.shape[:2], 11, a.shape[3]), key=key).astype(a.dtype)
            for a, key in zip(args[6:], ks, strict=True)]  # fmt: skip
@@ -142,7 +142,7 @@ def test_emulated_kernels_match_the_reference(metal, N, Hq, Hkv, T):
 def test_emulation_catches_a_broken_kernel(mistake, T):
     # The block's mistakes on one KV head (half the emulated threadgroups); the strides' one
     # needs two heads to show.
-    args = _inputs(N=40, Hq=4 if T == 1 else 2, Hkv=2 if T == 1 else 1, T=T)
+    args = _inputs(B=1, N=40, Hq=4 if T == 1 else 2, Hkv=2 if T == 1 else 1, T=T)
     scale = 128**-0.5
     header, partial, _ = da.sources(False, EPS, ROPE, scale)
     text = partial if mistake[0] in partial else header
@@ -167,7 +167,7 @@ def test_emulated_block_rows_equal_one_position_launches(N):
     """A verify block's rows are bitwise what decode steps at those positions compute: the
     kernels on a block of 3, against the kernels on one position at a time, each step's new key
     (the kernel's own output) and value appended to the cache as the model's cache does."""
-    q, k, v, gate, qw, kw, keys, values = args = _inputs(N=N, Hq=4, Hkv=2, T=3)
+    q, k, v, gate, qw, kw, keys, values = args = _inputs(B=1, N=N, Hq=4, Hkv=2, T=3)
     scale = 128**-0.5
     out, k_new = _emulated(args, scale)
     for t in range(3):
