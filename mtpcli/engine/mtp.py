@@ -62,7 +62,7 @@ class Unseen:
     CHUNK = 2048  # the most tokens one catch-up forward takes (a long prompt's in parts)
 
     def __init__(self, tokens: list[int], hidden: mx.array) -> None:
-        self.tokens, self.hidden = tokens, [hidden]  # [1, *, H] each
+        self.tokens, self.hidden = list(tokens), [hidden]  # [1, *, H] each
 
     def add(self, token: int, hidden: mx.array) -> None:
         self.tokens.append(token)
