@@ -7,10 +7,11 @@ acceptance a (a draft counts only after all before it were accepted) a round emi
 catch-up, the rollback and Python overhead are all in). The expected speedup is
 ``E * step_ms / round_ms[b]``; MTP engages when it is at least ``MARGIN``.
 
-Both costs grow with the context (a step reads every attention layer's KV cache once, a
-verify of b positions b times), so they are timed at a few context lengths and interpolated
-between them: the gate decides at the prompt's length, and the round-by-round choice
-(``BlockChooser``) at the length reached, switching MTP off where no round pays any more.
+Both costs grow with the context (a step's attention reads every attention layer's KV cache,
+a round's verify does for each of its positions and the drafter's chain for each draft), so
+they are timed at a few context lengths and interpolated between them: the gate decides at the
+prompt's length, and the round-by-round choice (``BlockChooser``) at the length reached,
+switching MTP off where no round pays any more.
 
 The costs come from a calibration measured once per machine and model shape (a few short
 generations at each context length) and cached in ``cache_dir()/gate.json``; the acceptance
