@@ -415,11 +415,12 @@ def _in_a_process(case: Case, argv: list[str]) -> tuple[int, str, str]:
         p = subprocess.Popen([MTP, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert p.stdout.read(1)
         # On a loaded 2-core machine one SIGINT was seen to go unanswered (the run went on to
-        # its 4,000 tokens); press again every 2 s as a user would, 5 times at most.
-        for _ in range(5):
+        # its 4,000 tokens), and at a load average of 30 five presses 2 s apart went by before
+        # the process was scheduled: press again every 10 s, 6 times at most, as a user would.
+        for _ in range(6):
             p.send_signal(signal.SIGINT)
             try:
-                out, err = p.communicate(timeout=2)
+                out, err = p.communicate(timeout=10)
                 break
             except subprocess.TimeoutExpired:
                 continue
