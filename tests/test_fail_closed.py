@@ -412,19 +412,20 @@ def _in_process(case: Case, argv: list[str], capsys, monkeypatch) -> tuple[int, 
 
 def _in_a_process(case: Case, argv: list[str]) -> tuple[int, str, str]:
     if case.shell == "SIGINT":  # a real Ctrl-C once text is streaming
-        p = subprocess.Popen([MTP, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # With the default disposition of SIGINT, whatever the suite's: a suite started in the
+        # background of a script inherits SIGINT ignored, and so would the child (Python keeps
+        # an inherited SIG_IGN), which then went on to its 4,000 tokens.
+        p = subprocess.Popen(
+            [MTP, *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         assert p.stdout.read(1)
-        # On a loaded 2-core machine one SIGINT was seen to go unanswered (the run went on to
-        # its 4,000 tokens), and at a load average of 30 five presses 2 s apart went by before
-        # the process was scheduled: press again every 10 s, 6 times at most, as a user would.
-        for _ in range(6):
-            p.send_signal(signal.SIGINT)
-            try:
-                out, err = p.communicate(timeout=10)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        else:
+        p.send_signal(signal.SIGINT)
+        try:
+            out, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
             p.kill()
             out, err = p.communicate()
         return p.returncode, out.decode(), err.decode()
