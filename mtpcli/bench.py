@@ -143,27 +143,24 @@ def verify_cost_table(target, prompt: list[int], repeats: int, ts=range(1, 9)) -
     return table
 
 
-def simulated_drafts(reference: list[int], prompt_len: int, p: float, seed: int):
+def simulated_drafts(reference: list[int], p: float, seed: int):
     """A ``draft`` that swaps each draft for the target's own next token with probability p.
 
     ``reference`` is the classic greedy continuation, which at temperature 0 is exactly what
     the target would say next. The drafter still runs and the target still verifies. Whether
     the draft for output position j is swapped depends on (seed, j) alone, so the same
-    positions get the same swaps whatever the rounds before them did.
+    positions get the same swaps whatever the rounds before them did. The swaps are looked up
+    on the device, since a round built ahead knows its position only there.
     """
+    n = len(reference)
+    swap = mx.array([random.Random(seed * 1_000_003 + j).random() < p for j in range(n)]
+                    + [False])  # fmt: skip
+    own = mx.array([*reference, 0], mx.uint32)  # [n + 1]: past the reference, no swap
 
-    def propose(drafter, target, tokens, hidden, cache, k, s):
-        # the drafter has seen the prompt but its first token, then the output up to pending
-        pending = drafter.offset(cache) + len(tokens) - prompt_len  # its index in the output
-        drafts, q = draft(drafter, target, tokens, hidden, cache, k, s)
-        swap = [False] * k
-        own = [0] * k
-        for i in range(k):
-            j = pending + 1 + i
-            if j < len(reference) and random.Random(seed * 1_000_003 + j).random() < p:
-                swap[i], own[i] = True, reference[j]
-        # on the device, so the drafts are not waited for (as ``draft`` leaves them)
-        return mx.where(mx.array(swap), mx.array(own, drafts.dtype), drafts), q
+    def propose(drafter, target, catch, cache, k, s, position):
+        drafts, q = draft(drafter, target, catch, cache, k, s, position)
+        j = mx.minimum(position + 1 + mx.arange(k), n)  # [k]: the drafts' output positions
+        return mx.where(swap[j], own[j].astype(drafts.dtype), drafts), q
 
     return propose
 
@@ -247,18 +244,23 @@ def compare(
     vlm: MlxVlmPeer | None = None,
     quantized: dict[int, object] | None = None,
     gated: Callable[[MTPStats, int], int] | None = None,
+    read_first: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict:
     """Run every arm ``repeats`` times over ``prompts``; one tok/s figure per repeat.
     ``quantized`` maps bits to a quantized copy of ``drafter``: MTP arms with each, beside the
     drafter's own. ``gated`` (the gate's round-by-round chooser) adds an MTP arm whose rounds
-    it picks, classic steps included, as ``mtp generate`` runs them."""
+    it picks, classic steps included, as ``mtp generate`` runs them. ``read_first`` adds MTP
+    arms that read each round before building the next (the engine's ``ahead=False``)."""
     quantized = quantized or {}
     arms = {"classic": Arm("classic", None)}
     arms |= {f"mtp-{b}": Arm(f"mtp block {b}", b) for b in blocks}
     arms |= {f"mtp-{b}-q{q}": Arm(f"mtp block {b}, {q}-bit drafter", b)
              for q in quantized for b in blocks}  # fmt: skip
     drafters = {f"mtp-{b}": drafter for b in blocks}
+    if read_first:
+        arms |= {f"mtp-{b}-read": Arm(f"mtp block {b}, rounds read first", b) for b in blocks}
+        drafters |= {f"mtp-{b}-read": drafter for b in blocks}
     drafters |= {f"mtp-{b}-q{q}": d for q, d in quantized.items() for b in blocks}
     if gated is not None:
         arms["mtp-gated"] = Arm("mtp, rounds chosen by the gate", max(blocks))
@@ -291,19 +293,18 @@ def compare(
                     run_arm(per_prompt, lambda s, p=prompt, b=b: vlm.greedy(p, max_tokens, b, s))
                 else:
                     propose = (
-                        simulated_drafts(
-                            references[tuple(prompt)], len(prompt), simulate, rep * 97 + i
-                        )
+                        simulated_drafts(references[tuple(prompt)], simulate, rep * 97 + i)
                         if simulate is not None
                         else draft
                     )
                     choose = gated if key == "mtp-gated" else None
+                    built_ahead = not key.endswith("-read")
                     run_arm(
                         per_prompt,
                         lambda s, p=prompt, b=arm.block_size, pr=propose, d=drafters[key],
-                        c=choose: list(generate_mtp(target, d, p, block_size=b,
-                                                    max_tokens=max_tokens, stats=s, propose=pr,
-                                                    choose_block=c)),
+                        c=choose, a=built_ahead: list(generate_mtp(
+                            target, d, p, block_size=b, max_tokens=max_tokens, stats=s,
+                            propose=pr, choose_block=c, ahead=a)),
                     )  # fmt: skip
             _merge(arm, per_prompt)
     result = {k: a.summary() for k, a in arms.items()}
@@ -629,6 +630,7 @@ def run(
     verify_table: bool = True,
     draft_quantize: Sequence[int] = (),
     contexts: Sequence[int] = (),
+    read_first: bool = False,
     options: Options = Options(),
     command: str = "",
     progress: Callable[[str], None] = lambda msg: None,
@@ -638,8 +640,8 @@ def run(
     gate's check; ``draft_quantize`` adds MTP arms with the drafter quantized to those bits.
     With ``contexts`` the arms run after a prompt of each of those lengths instead (the first
     prompt's tokens repeated), beside an arm whose rounds the gate chooses, and the gate's
-    prediction is made at each length. Returns the report's document (``markdown`` renders
-    it)."""
+    prediction is made at each length. ``read_first`` adds MTP arms that read each round
+    before building the next. Returns the report's document (``markdown`` renders it)."""
     from . import gate
     from . import synthetic as S
     from .config import check_block_size
@@ -713,6 +715,7 @@ def run(
             result = compare(target, drafter, [prompt], blocks=list(blocks),
                              max_tokens=max_tokens, repeats=repeats, simulate=simulate,
                              peers=peers, quantized=quantized, gated=chooser,
+                             read_first=read_first,
                              progress=lambda msg, n=n: progress(f"context {n}: {msg}"))  # fmt: skip
             row = to_json(result, None, {}, {}, gate_check(cal, result, list(blocks), n))
             rows.append({"context": n} | {k: v for k, v in row.items()
@@ -722,7 +725,8 @@ def run(
         return {"machine": info, "settings": settings, "contexts": rows}
     result = compare(target, drafter, prompts, blocks=list(blocks), max_tokens=max_tokens,
                      repeats=repeats, simulate=simulate, peers=peers, vlm=vlm,
-                     quantized=quantized, progress=progress)  # fmt: skip
+                     quantized=quantized, read_first=read_first,
+                     progress=progress)  # fmt: skip
     progress("verify-cost table")
     table = verify_cost_table(target, prompts[0], max(3, repeats)) if verify_table else None
     progress("gate calibration")

@@ -469,6 +469,13 @@ def bench(
         help="Run the arms after a prompt of this many tokens instead (repeatable), beside MTP "
         "whose rounds the gate chooses, with the gate's prediction at that length.",
     ),  # fmt: skip
+    rounds_read_first: bool = typer.Option(
+        False,
+        "--rounds-read-first",
+        metavar="",
+        help="Also run MTP arms that read each round before building the next, beside the "
+        "rounds built ahead.",
+    ),  # fmt: skip
     out: Path | None = typer.Option(None, "--out", help="Write Markdown and JSON here."),
     as_json: bool = typer.Option(False, "--json", metavar="", help="Print one JSON object."),
     kernels: str = typer.Option(
@@ -505,7 +512,7 @@ def bench(
             model, draft_model, synthetic=synthetic, bits=bits, blocks=block_size,
             repeats=repeats, max_tokens=max_tokens, prompts_file=prompts_file,
             simulate=simulate_acceptance, peers=peers, verify_table=verify_table,
-            draft_quantize=draft_quantize, contexts=context,
+            draft_quantize=draft_quantize, contexts=context, read_first=rounds_read_first,
             options=options, command="mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             progress=progress,
         )  # fmt: skip

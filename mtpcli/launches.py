@@ -26,9 +26,10 @@ from mlx_lm.models.cache import KVCache
 from . import kernels
 from .drafters import Drafter
 from .engine import prompt_array
-from .engine.mtp import draft
-from .engine.sampling import SamplingParams, greedy, greedy_verdict, positions
+from .engine.mtp import CatchUp, draft, verify
+from .engine.sampling import SamplingParams, accept_on_device, greedy
 from .models import Target
+from .models.kv_cache import RowsKVCache
 
 # Primitives that launch no kernel: views and metadata. Their nodes still cost the host.
 VIEWS = frozenset({
@@ -132,7 +133,8 @@ def all_cache_arrays(cache: list) -> list[mx.array]:
     """Every array a cache holds (a KV cache's whole buffers)."""
     out = []
     for c in cache:
-        parts = [c.keys, c.values] if isinstance(c, KVCache) else list(c.cache)
+        parts = [c.keys, c.values, c.device_length] if isinstance(c, RowsKVCache) else \
+            [c.keys, c.values] if isinstance(c, KVCache) else list(c.cache)  # fmt: skip
         out += [a for a in parts if a is not None]
     return out
 
@@ -158,8 +160,10 @@ def count_step(target: Target) -> Count:
 def count_round(target: Target, drafter: Drafter, block_size: int = 3,
                 accepted: int = 1) -> dict[str, Count]:  # fmt: skip
     """One greedy MTP round of ``block_size`` that accepts ``accepted`` drafts, as the engine
-    runs it (``engine.mtp``): the drafts, the verify with its verdict, the rollback of both
-    caches. Each part counted apart, after the one before it was evaluated; and the whole."""
+    runs it once the verify is a graph (``engine.mtp.submit_round``): the drafts after the
+    drafter's catch-up on the last block, the verify with its verdict decided on the device,
+    the rollback of both caches at a device count. Each part counted apart, after the one
+    before it was evaluated; and the whole."""
     k, greedy_params = block_size - 1, SamplingParams()
     if target.options.submit_every != 0:
         raise ValueError("count a target loaded with Options(submit_every=0): a verify "
@@ -169,31 +173,34 @@ def count_round(target: Target, drafter: Drafter, block_size: int = 3,
     tcache, dcache = target.make_cache(), drafter.make_cache()
     prompt = prompt_array(list(range(1, PROMPT + 1)))
     hidden = target.prefill(prompt, tcache)
-    tokens, pending = mx.array(list(range(2, PROMPT + 2)), mx.uint32), PROMPT + 1
+    catch = CatchUp(mx.array(list(range(2, PROMPT + 2)), mx.uint32), hidden)
+    pending = mx.array([PROMPT + 1], mx.uint32)
+    keep = mx.array([accepted + 1], mx.int32)  # the device's count, as a round decides it
     for i in range(WARM + 1):
         parts = {}
-        drafts, _ = draft(drafter, target, tokens, hidden, dcache, k, greedy_params)
+        drafts, _ = draft(drafter, target, catch, dcache, k, greedy_params)
         parts["drafts"] = [drafts, *all_cache_arrays(dcache)]
         counted = {"drafts": graph(parts["drafts"])} if i == WARM else {}
         mx.eval(parts["drafts"])
-        block = mx.concatenate([mx.array([pending], drafts.dtype), drafts])[None]  # [1, k+1]
-        out = target.forward(block, tcache, verify=True)
-        verdict = greedy_verdict(positions(target.lm_head(out.hidden, exact=True)), drafts)
+        if catch.last is not None:
+            drafter.settle(dcache, k - accepted, idle=False)
+        out, logits = verify(target, tcache, pending, drafts)
+        verdict, tokens, _ = accept_on_device(logits, drafts)
         traced = [a for t in out.traces if t is not None for a in (t.conv_input, t.states)]
-        parts["verify"] = [verdict, out.hidden, *traced, *all_cache_arrays(tcache)]
+        parts["verify"] = [verdict, tokens, out.hidden, *traced, *all_cache_arrays(tcache)]
         if i == WARM:
             counted["verify"] = graph(parts["verify"])
         mx.eval(parts["verify"])
-        drafter.trim(dcache, k - 1)
-        target.rollback(tcache, out.traces, accepted + 1, k + 1)
-        tokens = mx.array([3] * (accepted + 1), mx.uint32)  # the emitted tokens [n_acc + 1]
-        hidden = out.hidden[:, : accepted + 1]
-        parts["rollback"] = [*all_cache_arrays(tcache), *all_cache_arrays(dcache), hidden, tokens]
+        target.rollback(tcache, out.traces, keep, k + 1)
+        catch = CatchUp(tokens, out.hidden, keep - 1)
+        pending = mx.take(tokens, keep - 1)
+        parts["rollback"] = [*all_cache_arrays(tcache), pending, catch.last]
         if i == WARM:
             counted["rollback"] = graph(parts["rollback"])
             counted["round"] = sum(counted.values(), Count())
             return counted
         mx.eval(parts["rollback"])
+        target.settle(tcache, k - accepted, idle=False)
     raise AssertionError("unreachable")
 
 

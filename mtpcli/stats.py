@@ -25,6 +25,7 @@ class MTPStats:
     verify_s: float = 0.0  # from the drafts' submission to the accepted count, of which
     verify_build_s: float = 0.0  # building the verify's graph (the rest: waiting for it)
     rollback_s: float = 0.0
+    ahead: int = 0  # rounds built and submitted before the round before them was read
     # Where the block chooser found no round paying at the context reached: tokens decoded by
     # classic steps instead, and each switch as (context length, MTP on after it).
     classic_steps: int = 0

@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from mtpcli import synthetic
 from mtpcli.engine import prompt_array
-from mtpcli.engine.mtp import draft
+from mtpcli.engine.mtp import CatchUp, draft
 from mtpcli.engine.sampling import SamplingParams, pick
 from mtpcli.models.qwen3_5 import cache_arrays, rollback
 
@@ -51,7 +51,8 @@ def probe(shape: str, bits: int, n: int) -> dict:
     cache, dcache = target.make_cache(), drafter.make_cache()
     prompt = mx.random.randint(0, 1000, (64,)).tolist()
     hidden = target.prefill(prompt_array(prompt), cache)
-    draft(drafter, target, mx.array(prompt[1:] + [5], mx.uint32), hidden, dcache, 2, greedy)
+    draft(drafter, target, CatchUp(mx.array(prompt[1:] + [5], mx.uint32), hidden), dcache, 2,
+          greedy)  # fmt: skip
     one, block = mx.array([[5]]), mx.array([[5, 6, 7]])
 
     def decode():
@@ -64,9 +65,9 @@ def probe(shape: str, bits: int, n: int) -> dict:
         return [logits, *cache_arrays(cache)]
 
     def drafts():
-        d, _ = draft(drafter, target, mx.array([5, 6, 7], mx.uint32), hidden[:, -3:], dcache,
-                     2, greedy)  # fmt: skip
-        drafter.trim(dcache, 4)
+        d, _ = draft(drafter, target, CatchUp(mx.array([5, 6, 7], mx.uint32), hidden[:, -3:]),
+                     dcache, 2, greedy)  # fmt: skip
+        drafter.trim(dcache, 3)
         return [d]
 
     res: dict = {}

@@ -10,45 +10,12 @@ from dataclasses import replace
 import mlx.core as mx
 import pytest
 
-from mtpcli import kernels
 from mtpcli.engine.classic import generate_classic
 from mtpcli.engine.mtp import generate_mtp
 from mtpcli.loading import load_pair
 from mtpcli.models import kv_cache
-from mtpcli.models import qwen3_5 as tm
 
 PROMPTS = [[72, 101, 108, 108, 111], [(i * 37) % 250 for i in range(40)]]
-
-
-def length_attention(q, k, v, gate, q_norm, k_norm, eps, keys, values, rope, scale,
-                     mode="auto", length=None):  # fmt: skip
-    """``decode_attention``'s contract on the cache's buffers and their length (an int32 [1]
-    array), in MLX ops that never read the length back: position t attends the buffers' first
-    N rows and the block's first t + 1 keys (the rest masked)."""
-    B, T, Hq, D = q.shape
-    N = length[0]
-    q = mx.fast.rms_norm(q, q_norm, eps).transpose(0, 2, 1, 3)  # [B, Hq, T, D]
-    k = mx.fast.rms_norm(k, k_norm, eps).transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
-    q, k = (mx.fast.rope(x, rope.dims, traditional=False, base=rope.base, scale=rope.scale,
-                         offset=N) for x in (q, k))  # fmt: skip
-    # T rows of room past the buffers (which need not have them: the cache grows after this)
-    keys, values = (mx.concatenate([a, mx.zeros((*a.shape[:2], T, D), a.dtype)], axis=2)
-                    for a in (keys, values))  # fmt: skip
-    keys = mx.slice_update(keys, k, length, axes=(2,))
-    values = mx.slice_update(values, v.transpose(0, 2, 1, 3), length, axes=(2,))
-    seen = mx.arange(keys.shape[2])[None] <= (N + mx.arange(T))[:, None]  # [T, capacity]
-    o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=seen)
-    o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # [B, T, Hq * D]
-    return o * mx.sigmoid(gate.reshape(B, T, -1)), k
-
-
-@pytest.fixture
-def gpu_paths(monkeypatch):
-    """The model's GPU choices on the CPU: the attention kernels' path (as above) for every
-    decode step and verify block, trusted as the native kernels are once checked."""
-    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(tm, "decode_attention", length_attention)
-    monkeypatch.setattr(tm, "native_block", lambda *a, **k: True)
 
 
 def _fresh(ckpts, **kw):

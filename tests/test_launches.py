@@ -65,12 +65,18 @@ def test_decode_step_launches_six_kernels_a_layer(tiny_pair):
     assert step.kinds["DynamicSliceUpdate"] == 2 and (1, False) in target.graph_lengths
 
 
-def test_round_parts_add_up_and_the_rollback_launches_nothing(tiny_pair):
+def test_round_parts_add_up_and_the_device_rollback_picks_each_state_once(tiny_pair):
     target, drafter = tiny_pair
     with launches.structure_of("cuda"):
         parts = launches.count_round(target, drafter, block_size=3, accepted=1)
     assert parts["round"].nodes == sum(parts[p].nodes for p in ("drafts", "verify", "rollback"))
-    assert parts["rollback"].launches == 0 and parts["rollback"].nodes > 0
+    # decided on the device: each gated-delta layer's conv window and state sliced at the
+    # kept count (the state chosen against the block's last), the attention caches a length
+    rollback = parts["rollback"].kinds
+    linear = sum(ly.is_linear for ly in target.layers)
+    assert rollback["DynamicSlice"] == 2 * linear
+    assert rollback["CompiledBroadcastSelect"] == linear
+    assert "DynamicSliceUpdate" not in rollback and "Concatenate" not in rollback
     # the verify's layers launch what a decode step's do, as one batched block
     assert parts["verify"].kinds["kernel"] == 6 * len(target.layers) + 3
 

@@ -26,5 +26,19 @@ class Drafter(Protocol):
         ...
 
     def offset(self, cache: list) -> int:
-        """How many positions ``cache`` holds."""
+        """How many positions ``cache`` holds (at most, while ``keep`` is not settled)."""
+        ...
+
+    def keep(self, cache: list, n_keep: mx.array, block: int) -> None:
+        """Of the last ``block`` positions keep the first ``n_keep`` (int32 [1]), decided on the
+        device: the host has not read it."""
+        ...
+
+    def settle(self, cache: list, dropped: int, idle: bool) -> None:
+        """The host read a ``keep``: ``dropped`` positions went; ``idle``: none is in flight."""
+        ...
+
+    def reads_lengths_on_device(self, cache: list, L: int) -> bool:
+        """Whether a forward of L tokens reads the cache's length on the device (so ``keep``
+        may leave it unread there)."""
         ...

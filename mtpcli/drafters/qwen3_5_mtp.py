@@ -25,6 +25,7 @@ from ..models.qwen3_5 import (
     attention_post,
     attention_pre,
     residual_mlp,
+    rows_rope,
 )
 from ..options import Options
 from ..weights import load_arrays, load_module_weights, sanitize_drafter
@@ -87,6 +88,19 @@ class Qwen35MTPDrafter:
     def trim(self, cache: list, n: int) -> None:
         for c in cache:
             c.trim(n)
+
+    def keep(self, cache: list, n_keep: mx.array, block: int) -> None:
+        length = cache[0].length() - block + n_keep
+        for c in cache:
+            c.keep(length)
+
+    def settle(self, cache: list, dropped: int, idle: bool) -> None:
+        for c in cache:
+            c.settle(dropped, idle)
+
+    def reads_lengths_on_device(self, cache: list, L: int) -> bool:
+        return all(rows_rope(ly.self_attn, c, L) is not None
+                   for ly, c in zip(self.module.layers, cache, strict=True))  # fmt: skip
 
     def offset(self, cache: list) -> int:
         return cache[0].offset

@@ -4,40 +4,74 @@ One round: the drafter proposes k = block_size - 1 tokens; the target verifies t
 token and the drafts in one forward; the longest agreeing prefix is accepted; both caches roll
 back to it; the accepted drafts plus one target token are emitted. At temperature 0 the output
 is identical to classic decoding.
+
+At temperature 0, once the target's verify runs as one graph reading its caches' length on the
+device, a round is decided there too (``submit_round``): the accepted count, the rollback and
+the next round's pending token and drafter input stay device arrays, so the host builds round
+r + 1 while the device runs round r, and reads round r afterwards.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..config import check_block_size
 from ..drafters import Drafter
-from ..models import Target
+from ..models import ForwardOut, Target
 from ..stats import GenerationStats, MTPStats
 from . import check_room, first_logits, prompt_array
 from .classic import decode_step, read_token
-from .sampling import SamplingParams, accept, greedy, pick, positions, probs
+from .sampling import (
+    SamplingParams,
+    accept,
+    accept_on_device,
+    greedy,
+    pick,
+    positions,
+    probs,
+    read_verdict,
+)
+
+GREEDY = SamplingParams()
+
+
+@dataclass
+class CatchUp:
+    """What the drafter sees before it drafts: tokens [L] and the target's hidden state before
+    each [1, L, H]. In a round built ahead, ``last`` (int32 [1], on the device) is the index of
+    the last token the previous round emitted, and the rest are dropped; None: all L count."""
+
+    tokens: mx.array
+    hidden: mx.array
+    last: mx.array | None = None
 
 
 def draft(
     drafter: Drafter,
     target: Target,
-    tokens: mx.array,
-    hidden: mx.array,
+    catch: CatchUp,
     cache: list,
     k: int,
     s: SamplingParams,
+    position: int | mx.array = 0,
 ) -> tuple[mx.array, mx.array | None]:
-    """Catch the drafter up on ``tokens`` [L] (with the target hidden before each, [1, L, H]),
-    then chain k drafts.
+    """Catch the drafter up on ``catch``, then chain k drafts (the chain is not kept in its
+    cache). ``position``, the output index of the pending token the drafts follow, is for
+    wrappers (``bench.simulated_drafts``).
 
     Returns the drafts [k] and, when sampling, the drafter distributions they were drawn from,
     as graphs not yet submitted.
     """
-    h = drafter.forward(tokens[None], hidden, cache)[:, -1:]  # [1, 1, H]
+    h = drafter.forward(catch.tokens[None], catch.hidden, cache)  # [1, L, H]
+    if catch.last is None:
+        h = h[:, -1:]
+    else:
+        h = mx.take(h, catch.last, axis=1)  # [1, 1, H]
+        drafter.keep(cache, catch.last + 1, catch.tokens.shape[0])
     drafts, qs = [], []
     for i in range(k):
         logits = target.lm_head(h)[0, -1]  # [V]
@@ -49,6 +83,7 @@ def draft(
         drafts.append(d)
         if i < k - 1:
             h = drafter.forward(d.reshape(1, 1), h, cache)
+    drafter.trim(cache, k - 1)
     return mx.stack(drafts).reshape(k), (mx.stack(qs) if qs else None)  # [k], [k, V]
 
 
@@ -68,10 +103,10 @@ class Unseen:
         self.tokens.append(token)
         self.hidden.append(hidden)
 
-    def arrays(self) -> tuple[mx.array, mx.array]:
-        """The tokens [L] and their hidden states [1, L, H]."""
+    def catch(self) -> CatchUp:
+        """The tokens [L] and their hidden states [1, L, H], for ``draft``."""
         hidden = self.hidden[0] if len(self.hidden) == 1 else mx.concatenate(self.hidden, 1)
-        return mx.array(self.tokens, mx.uint32), hidden
+        return CatchUp(mx.array(self.tokens, mx.uint32), hidden)
 
     def catch_up(self, drafter: Drafter, cache: list, batch: int | None = None) -> mx.array | None:
         """Past ``batch`` tokens (``BATCH``), submit the drafter's forward over all but the
@@ -91,6 +126,80 @@ class Unseen:
         return seen
 
 
+def verify(target: Target, cache: list, pending: mx.array, drafts: mx.array
+           ) -> tuple[ForwardOut, mx.array]:  # fmt: skip
+    """The target over [pending, drafts] [1, k+1], each position as a decode step: its output
+    and logits [k+1, V]."""
+    block = mx.concatenate([pending.astype(drafts.dtype).reshape(1), drafts])[None]  # [1, k+1]
+    out = target.forward(block, cache, verify=True)
+    return out, positions(target.lm_head(out.hidden, exact=True))
+
+
+@dataclass
+class Round:
+    """A temperature-0 round built and decided on the device, its verdict not read yet."""
+
+    k: int
+    position: int | mx.array  # the output index of its pending token
+    verdict: mx.array  # [3k+2], for ``read_verdict``
+    tokens: mx.array  # [k+1]: the target's tokens at the block's positions
+    hidden: mx.array  # [1, k+1, H]: the target's hidden states there
+    n_keep: mx.array  # int32 [1]: positions kept, the accepted drafts + 1
+
+    def pending(self) -> mx.array:
+        """The token that ends this round, [1]: the next round verifies it first."""
+        return mx.take(self.tokens, self.n_keep - 1)
+
+    def catch(self) -> CatchUp:
+        """The drafter's input for the next round: this block, up to the token that ends it."""
+        return CatchUp(self.tokens, self.hidden, self.n_keep - 1)
+
+
+def submit_round(target: Target, drafter: Drafter, tcache: list, dcache: list,
+                 pending: mx.array, catch: CatchUp, position: int | mx.array, k: int,
+                 propose: Callable, rs: MTPStats) -> Round:  # fmt: skip
+    """Draft, verify, accept and roll back without reading anything: the round is submitted
+    and its outcome stays on the device."""
+    t0 = time.perf_counter()
+    drafts, _ = propose(drafter, target, catch, dcache, k, GREEDY, position)
+    mx.async_eval(drafts)
+    t1 = time.perf_counter()
+    out, logits = verify(target, tcache, pending, drafts)
+    verdict, tokens, n_keep = accept_on_device(logits, drafts)
+    t2 = time.perf_counter()
+    target.rollback(tcache, out.traces, n_keep, k + 1)
+    mx.async_eval(verdict, *target.cache_arrays(tcache))
+    rs.draft_s += t1 - t0
+    rs.verify_build_s += t2 - t1
+    rs.verify_s += t2 - t1
+    rs.rollback_s += time.perf_counter() - t2
+    return Round(k, position, verdict, tokens, out.hidden, n_keep)
+
+
+def host_round(target: Target, drafter: Drafter, tcache: list, dcache: list, pending: int,
+               catch: CatchUp, n: int, k: int, s: SamplingParams, propose: Callable,
+               rs: MTPStats) -> tuple[list[int], mx.array]:  # fmt: skip
+    """A round whose verdict the host reads before rolling back (sampling, or a verify not yet
+    a graph): the tokens it emits and the target's hidden states before them [1, n_acc+1, H]."""
+    t0 = time.perf_counter()
+    drafts, q = propose(drafter, target, catch, dcache, k, s, n - 1)
+    mx.async_eval(drafts)  # computed while the host builds the verify that takes them
+    t1 = time.perf_counter()
+    out, logits = verify(target, tcache, mx.array(pending, mx.uint32), drafts)
+    t_built = time.perf_counter()  # the rest of the verify is the wait for the device
+    n_acc, nxt = accept(logits, drafts, q, s, n)
+    draft_ids = drafts.tolist()  # computed by now: accept read the verify
+    t2 = time.perf_counter()
+    target.rollback(tcache, out.traces, n_acc + 1, k + 1)
+    mx.async_eval(target.cache_arrays(tcache))  # the next round's draft is built meanwhile
+    rs.record(k, n_acc)
+    rs.draft_s += t1 - t0
+    rs.verify_s += t2 - t1
+    rs.verify_build_s += t_built - t1
+    rs.rollback_s += time.perf_counter() - t2
+    return draft_ids[:n_acc] + [nxt], out.hidden[:, : n_acc + 1]
+
+
 def generate_mtp(
     target: Target,
     drafter: Drafter,
@@ -104,6 +213,7 @@ def generate_mtp(
     propose=draft,
     choose_block: Callable[[MTPStats, int], int] | None = None,
     on_prefill: Callable[[int, int], None] | None = None,
+    ahead: bool = True,
 ) -> Iterator[int]:
     """Yield generated token ids (EOS excluded) until EOS or ``max_tokens``.
 
@@ -112,6 +222,8 @@ def generate_mtp(
     statistics so far and the context reached (tokens in the target's cache), or 1 for a
     classic step where no round is expected to pay; without it every round has
     ``block_size``. ``on_prefill`` follows the prompt's processing (tokens done, total).
+    ``ahead`` False reads every round before the next is built (to measure what building
+    ahead gains).
     """
     check_block_size(block_size)
     stats = stats if stats is not None else GenerationStats()
@@ -131,8 +243,13 @@ def generate_mtp(
     start = time.perf_counter()
     emitted, n = [pending], 0
     queued = None  # a classic step already submitted: it feeds ``pending``
+    ahead: Round | None = None  # a round submitted before the last one was read
     rounds = True  # whether the last token came from a round (False: from a classic step)
     choose = choose_block or (lambda stats, context: block_size)
+
+    def on_device(k: int) -> bool:  # a round of k drafts can be decided on the device
+        return ahead and sampling.greedy and (k + 1, True) in target.graph_lengths
+
     try:
         while True:
             for t in emitted:
@@ -144,7 +261,7 @@ def generate_mtp(
             if n >= max_tokens:
                 return
             context = tokens.shape[1] + n - 1  # all but ``pending`` are in the target's cache
-            b = 1 if queued is not None else choose(rs, context)
+            b = 0 if ahead is not None else 1 if queued is not None else choose(rs, context)
             if b == 1:
                 if rounds:
                     rounds = False
@@ -163,28 +280,30 @@ def generate_mtp(
             if not rounds:
                 rounds = True
                 rs.switch(context, rounds)
-            k = min(b, block_size) - 1
+            if ahead is None and not on_device(b - 1):
+                emitted, h = host_round(target, drafter, tcache, dcache, pending, unseen.catch(),
+                                        n, b - 1, sampling, propose, rs)  # fmt: skip
+                pending, unseen = emitted[-1], Unseen(emitted, h)
+                continue
+            r = ahead or submit_round(target, drafter, tcache, dcache, mx.array(pending, mx.uint32),
+                                      unseen.catch(), n - 1, b - 1, propose, rs)  # fmt: skip
+            # round r + 1 goes out before round r is read, when it is a device round too
+            b = choose(rs, context + r.k + 1)
+            ahead = None
+            if n + 1 < max_tokens and b > 1 and on_device(b - 1) and \
+                    drafter.reads_lengths_on_device(dcache, r.k + 1):  # fmt: skip
+                ahead = submit_round(target, drafter, tcache, dcache, r.pending(), r.catch(),
+                                     r.position + r.n_keep, b - 1, propose, rs)  # fmt: skip
+                rs.ahead += 1
             t0 = time.perf_counter()
-            drafts, q = propose(drafter, target, *unseen.arrays(), dcache, k, sampling)
-            mx.async_eval(drafts)  # computed while the host builds the verify that takes them
-            t1 = time.perf_counter()
-            block = mx.concatenate([mx.array([pending], drafts.dtype), drafts])[None]  # [1, k+1]
-            out = target.forward(block, tcache, verify=True)
-            logits = positions(target.lm_head(out.hidden, exact=True))  # [k+1, V]
-            t_built = time.perf_counter()  # the rest of the verify is the wait for the device
-            n_acc, nxt = accept(logits, drafts, q, sampling, n)
-            drafter.trim(dcache, k - 1)
-            draft_ids = drafts.tolist()  # computed by now: accept read the verify
-            t2 = time.perf_counter()
-            target.rollback(tcache, out.traces, n_acc + 1, k + 1)
-            mx.async_eval(target.cache_arrays(tcache))  # the next round's draft is built meanwhile
-            rs.record(k, n_acc)
-            rs.draft_s += t1 - t0
-            rs.verify_s += t2 - t1
-            rs.verify_build_s += t_built - t1
-            rs.rollback_s += time.perf_counter() - t2
-            emitted = draft_ids[:n_acc] + [nxt]
-            unseen = Unseen(emitted, out.hidden[:, : n_acc + 1])
-            pending = nxt
+            n_acc, ids = read_verdict(r.verdict, r.k, n)
+            rs.verify_s += time.perf_counter() - t0
+            rs.record(r.k, n_acc)
+            target.settle(tcache, r.k - n_acc, idle=ahead is None)
+            drafter.settle(dcache, r.k - n_acc if ahead else 0, idle=ahead is None)
+            emitted = ids[: n_acc + 1]
+            pending = emitted[-1]
+            if ahead is None:
+                unseen = Unseen(emitted, r.hidden[:, : n_acc + 1])
     finally:
         stats.finish(start, time.perf_counter(), mx.get_peak_memory())

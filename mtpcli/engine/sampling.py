@@ -126,8 +126,32 @@ def greedy_verdict(logits: mx.array, drafts: mx.array) -> mx.array:
     """A round's verdict as the host reads it, in one wait: the target's tokens at the k+1
     verified positions, the k drafts, the positions' k+1 logsumexps (for ``check_finite``),
     float32 [3k+2]."""
-    tokens, lse = greedy_checked(logits)
+    return _verdict(*greedy_checked(logits), drafts)
+
+
+def _verdict(tokens: mx.array, lse: mx.array, drafts: mx.array) -> mx.array:
     return readback(mx.concatenate([tokens, drafts.astype(mx.uint32)]), lse)
+
+
+def accept_on_device(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """A temperature-0 round decided on the device, nothing read: the verdict for
+    ``read_verdict`` later, the target's tokens [k+1] (the accepted drafts, then the next
+    token, then the rest) and the positions kept, accepted drafts + 1 (int32 [1])."""
+    tokens, lse = greedy_checked(logits)  # [k+1], [k+1, 1]
+    agree = (tokens[:-1] == drafts.astype(tokens.dtype)).astype(mx.int32)  # [k]
+    n_keep = 1 + mx.cumprod(agree).sum(keepdims=True)  # [1]
+    return _verdict(tokens, lse, drafts), tokens, n_keep.astype(mx.int32)
+
+
+def read_verdict(verdict: mx.array, k: int, position: int) -> tuple[int, list[int]]:
+    """Read a greedy verdict (``greedy_verdict``): the accepted drafts n and the target's
+    tokens at the k+1 positions, whose first n + 1 are emitted and so checked finite
+    (``position``: tokens generated before)."""
+    values = verdict.tolist()
+    ids, lse = [int(v) for v in values[: 2 * k + 1]], values[2 * k + 1 :]
+    n = accept_greedy(ids[k + 1 :], ids[: k + 1])
+    check_finite(lse[: n + 1], position)
+    return n, ids[: k + 1]
 
 
 def accept(
@@ -136,15 +160,11 @@ def accept(
     """One round's verdict from the target logits [k+1, V] and the drafts [k] (token ids):
     (accepted drafts, next token). The positions whose tokens are emitted must have finite
     logits, as classic decoding checks them (``position``: tokens generated before)."""
-    k = drafts.shape[0]
     if s.greedy:
-        values = greedy_verdict(logits, drafts).tolist()
-        ids, lse = [int(v) for v in values[: 2 * k + 1]], values[2 * k + 1 :]
-        n = accept_greedy(ids[k + 1 :], ids[: k + 1])
-        out = n, ids[n]
-    else:
-        lse = mx.logsumexp(logits, axis=-1).astype(mx.float32).tolist()  # the round is read
-        out = accept_sampled(probs(logits, s), q, drafts)
+        n, ids = read_verdict(greedy_verdict(logits, drafts), drafts.shape[0], position)
+        return n, ids[n]
+    lse = mx.logsumexp(logits, axis=-1).astype(mx.float32).tolist()  # the round is read
+    out = accept_sampled(probs(logits, s), q, drafts)
     check_finite(lse[: out[0] + 1], position)
     return out
 

@@ -54,8 +54,20 @@ class Target(Protocol):
         """Logits [B, T, V] of hidden states [B, T, H]; ``exact`` rows as in a verify."""
         ...
 
-    def rollback(self, cache: list, traces: list, n_keep: int, block: int) -> None:
-        """Leave ``cache`` as after the first ``n_keep`` of the last verify's ``block``."""
+    def rollback(self, cache: list, traces: list, n_keep: int | mx.array, block: int) -> None:
+        """Leave ``cache`` as after the first ``n_keep`` of the last verify's ``block``; an
+        int32 [1] ``n_keep`` decides on the device (then ``settle`` once it is read)."""
+        ...
+
+    def settle(self, cache: list, dropped: int, idle: bool) -> None:
+        """The host read a rollback decided on the device: ``dropped`` positions went;
+        ``idle``: no forward is in flight."""
+        ...
+
+    @property
+    def graph_lengths(self) -> frozenset[tuple[int, bool]]:
+        """The (positions, verify) forwards that run as one graph reading the caches' length
+        on the device (so a rollback may leave it unread there)."""
         ...
 
     def cache_arrays(self, cache: list) -> list[mx.array]:

@@ -14,7 +14,15 @@ from mlx_lm.models.cache import KVCache
 
 
 class RowsKVCache(KVCache):
-    """mlx-lm's KV cache (buffers [B, Hkv, capacity, D], ``offset`` rows filled)."""
+    """mlx-lm's KV cache (buffers [B, Hkv, capacity, D], ``offset`` rows filled).
+
+    While rounds the host has not read yet are in flight, the filled length is only known on
+    the device (``device_length``, an int32 [1] array): rows are written there, and ``offset``
+    is an upper bound (it counts every row written) until ``settle`` subtracts what the host
+    learns was dropped.
+    """
+
+    device_length: mx.array | None = None
 
     @property
     def filled(self) -> bool:
@@ -22,11 +30,45 @@ class RowsKVCache(KVCache):
 
     def length(self) -> mx.array:
         """The filled rows N as an int32 [1] array."""
+        if self.device_length is not None:
+            return self.device_length
         return mx.array([self.offset], mx.int32)
 
     def write(self, keys: mx.array, values: mx.array) -> None:
         """Append T rows: keys and values [B, Hkv, T, D]."""
-        self.update_and_fetch(keys, values)
+        if self.device_length is None:
+            self.update_and_fetch(keys, values)
+            return
+        T = keys.shape[2]
+        self.reserve(T)
+        self.keys = mx.slice_update(self.keys, keys, self.device_length, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.device_length, axes=(2,))
+        self.advance(T, self.device_length + T)
+
+    def advance(self, T: int, length: mx.array | None = None) -> None:
+        """T rows were written (by a graph, at ``length() - T``); ``length``, the new length on
+        the device, is kept while the cache is on the device."""
+        self.offset += T
+        if self.device_length is not None:
+            self.device_length = length
+
+    def trim(self, n: int) -> int:
+        n = super().trim(n)
+        if self.device_length is not None:
+            self.device_length = self.device_length - n
+        return n
+
+    def keep(self, length: mx.array) -> None:
+        """Set the filled length on the device (a rollback the host has not read)."""
+        self.device_length = length
+
+    def settle(self, dropped: int, idle: bool) -> None:
+        """The host learnt that ``dropped`` rows counted in ``offset`` were rolled back on the
+        device; ``idle``: nothing is in flight, ``offset`` is exact again and the device
+        length is no longer needed."""
+        self.offset -= dropped
+        if idle:
+            self.device_length = None
 
     def reserve(self, n: int) -> None:
         """Grow the buffers (in mlx-lm's steps) so that ``n`` more rows fit without growing

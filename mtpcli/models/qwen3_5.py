@@ -409,7 +409,10 @@ class Qwen35Target:
             graph = self._graphs[verify] = mx.compile(
                 lambda tokens, length, states: self._forward_arrays(tokens, length, states, verify)
             )
-        hidden, new, kept = graph(tokens, kv[0].length(), states)
+        length = kv[0].length()
+        hidden, new, kept = graph(tokens, length, states)
+        # on the device while rounds are in flight (``RowsKVCache.device_length``)
+        after = length + T if kv[0].device_length is not None else None
         traces, kept = [], iter(kept)
         for c, ly, (a, b) in zip(cache, self.layers, new, strict=True):
             if ly.is_linear:
@@ -417,7 +420,7 @@ class Qwen35Target:
                 traces.append(GatedDeltaTrace(*next(kept)) if verify else None)
             else:
                 c.keys, c.values = a, b
-                c.offset += T
+                c.advance(T, after)
                 traces.append(None)
         return ForwardOut(hidden, traces if verify else None)
 
@@ -445,8 +448,11 @@ class Qwen35Target:
                 new.append((c.keys, c.values))
         return self.text.model.norm(h), new, kept
 
-    def rollback(self, cache: list, traces: list, n_keep: int, block: int) -> None:
+    def rollback(self, cache: list, traces: list, n_keep: int | mx.array, block: int) -> None:
         rollback(cache, traces, n_keep, block)
+
+    def settle(self, cache: list, dropped: int, idle: bool) -> None:
+        settle(cache, dropped, idle)
 
     def cache_arrays(self, cache: list) -> list[mx.array]:
         return cache_arrays(cache)
@@ -480,8 +486,12 @@ def restore_state(cache: ArraysCache, trace: GatedDeltaTrace, n_keep: int) -> No
     cache[1] = trace.states[n_keep - 1 : n_keep].reshape(trace.states.shape[1:])
 
 
-def rollback(cache: list, traces: list, n_keep: int, block: int) -> None:
-    """Leave ``cache`` exactly as after the first ``n_keep`` of the last ``block`` positions."""
+def rollback(cache: list, traces: list, n_keep: int | mx.array, block: int) -> None:
+    """Leave ``cache`` exactly as after the first ``n_keep`` of the last ``block`` positions;
+    ``n_keep`` an int32 [1] array decides on the device (the host need not have read it)."""
+    if isinstance(n_keep, mx.array):
+        rollback_on_device(cache, traces, n_keep, block)
+        return
     if n_keep == block:
         return
     for c, trace in zip(cache, traces, strict=True):
@@ -490,6 +500,48 @@ def rollback(cache: list, traces: list, n_keep: int, block: int) -> None:
         else:
             restore_conv(c, trace, n_keep)
             restore_state(c, trace, n_keep)
+
+
+def _restore(conv_inputs: list, states: list, finals: list, n_keep: mx.array, block: int):
+    """Every gated-delta layer's conv window and state after the first ``n_keep`` (int32 [1])
+    of ``block`` positions: windows [B, K-1, C] sliced from the conv inputs [B, K-1+T, C],
+    states [B, Hv, Dv, Dk] from the kept per-step states [T-1, ...] or the final ones."""
+    windows, kept = [], []
+    last = mx.minimum(n_keep - 1, block - 2)  # the per-step states stop one short of the block
+    for conv_input, steps, final in zip(conv_inputs, states, finals, strict=True):
+        B, _, C = conv_input.shape
+        windows.append(mx.slice(conv_input, n_keep, (1,), (B, conv_input.shape[1] - block, C)))
+        step = mx.slice(steps, last, (0,), (1, *steps.shape[1:])).reshape(final.shape)
+        kept.append(mx.where(n_keep == block, final, step))
+    return windows, kept
+
+
+_restore_compiled = mx.compile(_restore)
+
+
+def rollback_on_device(cache: list, traces: list, n_keep: mx.array, block: int) -> None:
+    """``rollback`` decided on the device: the attention caches' length becomes the length
+    before the block plus ``n_keep``, the gated-delta windows and states are picked by it, all
+    in one compiled graph."""
+    kv = [c for c, trace in zip(cache, traces, strict=True) if trace is None]
+    length = kv[0].length() - block + n_keep
+    for c in kv:
+        c.keep(length)
+    linear = [(c, t) for c, t in zip(cache, traces, strict=True) if t is not None]
+    windows, states = _restore_compiled(
+        [t.conv_input for _, t in linear], [t.states for _, t in linear],
+        [c[1] for c, _ in linear], n_keep, block,
+    )  # fmt: skip
+    for (c, _), window, state in zip(linear, windows, states, strict=True):
+        c[0], c[1] = window, state
+
+
+def settle(cache: list, dropped: int, idle: bool) -> None:
+    """The host read a rollback decided on the device: ``dropped`` positions went (see
+    ``RowsKVCache.settle``)."""
+    for c in cache:
+        if isinstance(c, RowsKVCache):
+            c.settle(dropped, idle)
 
 
 def cache_arrays(cache: list) -> list[mx.array]:
