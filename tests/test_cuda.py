@@ -13,6 +13,7 @@ from mtpcli.engine.mtp import generate_mtp
 from mtpcli.fixtures import tiny_text_config, write_drafter, write_target
 from mtpcli.loading import load_pair
 from mtpcli.options import Options
+from mtpcli.stats import GenerationStats
 
 pytestmark = pytest.mark.skipif(not kernels.available("cuda"), reason="needs MLX's CUDA backend")
 
@@ -66,10 +67,16 @@ def test_quantized_verify_runs_its_matmuls_batched(pair):
 
 @pytest.mark.parametrize("block", [2, 3, 4, 8])
 def test_mtp_equals_classic_on_cuda(pair, block):
+    ahead = 0
     for prompt in PROMPTS:
         want = list(generate_classic(pair.target, prompt, max_tokens=40))
-        got = list(generate_mtp(pair.target, pair.drafter, prompt, block_size=block, max_tokens=40))
+        stats = GenerationStats()
+        got = list(generate_mtp(pair.target, pair.drafter, prompt, block_size=block, max_tokens=40,
+                                stats=stats))  # fmt: skip
         assert got == want
+        ahead += stats.mtp.ahead
+    # with our product every verify becomes a graph, and its rounds are built ahead
+    assert ahead > 0 or pair.target.options.qmm != "ours"
 
 
 def test_block_forward_equals_single_steps_on_cuda(pair):
