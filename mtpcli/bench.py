@@ -251,7 +251,7 @@ def compare(
     ``quantized`` maps bits to a quantized copy of ``drafter``: MTP arms with each, beside the
     drafter's own. ``gated`` (the gate's round-by-round chooser) adds an MTP arm whose rounds
     it picks, classic steps included, as ``mtp generate`` runs them. ``read_first`` adds MTP
-    arms that read each round before building the next (the engine's ``ahead=False``)."""
+    arms that read each round before building the next (the engine's ``build_ahead=False``)."""
     quantized = quantized or {}
     arms = {"classic": Arm("classic", None)}
     arms |= {f"mtp-{b}": Arm(f"mtp block {b}", b) for b in blocks}
@@ -304,7 +304,7 @@ def compare(
                         lambda s, p=prompt, b=arm.block_size, pr=propose, d=drafters[key],
                         c=choose, a=built_ahead: list(generate_mtp(
                             target, d, p, block_size=b, max_tokens=max_tokens, stats=s,
-                            propose=pr, choose_block=c, ahead=a)),
+                            propose=pr, choose_block=c, build_ahead=a)),
                     )  # fmt: skip
             _merge(arm, per_prompt)
     result = {k: a.summary() for k, a in arms.items()}

@@ -89,6 +89,8 @@ def test_eos_and_max_tokens_end_a_generation_with_a_round_in_flight(ckpts, gpu_p
     assert got == want[: want.index(stop)] and rs.ahead > 0
     for n in (1, 2, 7, 31):
         assert _run(loaded, prompt, block_size=3, max_tokens=n)[0] == want[:n]
+    read_first, rs, _ = _run(loaded, prompt, block_size=3, build_ahead=False)
+    assert read_first == want and rs.ahead == 0  # the bench's comparison arm
 
 
 def test_host_offsets_settle_to_the_lengths_the_device_kept(ckpts, gpu_paths, monkeypatch):

@@ -213,7 +213,7 @@ def generate_mtp(
     propose=draft,
     choose_block: Callable[[MTPStats, int], int] | None = None,
     on_prefill: Callable[[int, int], None] | None = None,
-    ahead: bool = True,
+    build_ahead: bool = True,
 ) -> Iterator[int]:
     """Yield generated token ids (EOS excluded) until EOS or ``max_tokens``.
 
@@ -222,7 +222,7 @@ def generate_mtp(
     statistics so far and the context reached (tokens in the target's cache), or 1 for a
     classic step where no round is expected to pay; without it every round has
     ``block_size``. ``on_prefill`` follows the prompt's processing (tokens done, total).
-    ``ahead`` False reads every round before the next is built (to measure what building
+    ``build_ahead`` False reads every round before the next is built (to measure what building
     ahead gains).
     """
     check_block_size(block_size)
@@ -248,7 +248,7 @@ def generate_mtp(
     choose = choose_block or (lambda stats, context: block_size)
 
     def on_device(k: int) -> bool:  # a round of k drafts can be decided on the device
-        return ahead and sampling.greedy and (k + 1, True) in target.graph_lengths
+        return build_ahead and sampling.greedy and (k + 1, True) in target.graph_lengths
 
     try:
         while True:
