@@ -122,20 +122,23 @@ def test_a_broken_device_rollback_changes_the_tokens_or_the_drafts(
     prompt = PROMPTS[1]
     want = list(generate_classic(loaded.target, prompt, max_tokens=40))
     _, _, drafts_read = _run(loaded, prompt, graph=False, block_size=3)
-    rollback, restore = tm.rollback_on_device, tm._restore
+    rollback, pick = tm.rollback_on_device, tm.pick_kept
     base = draft
     if broken == "kept_count":  # one position more kept than accepted
-        monkeypatch.setattr(tm, "rollback_on_device",
-                            lambda c, t, n, b: rollback(c, t, mx.minimum(n + 1, b), b))  # fmt: skip
+
+        def one_more(cache, traces, n_keep, block, mode):
+            rollback(cache, traces, mx.minimum(n_keep + 1, block), block, mode)
+
+        monkeypatch.setattr(tm, "rollback_on_device", one_more)
     elif broken in ("state", "conv"):
 
-        def wrong(conv_inputs, states, finals, n_keep, block):
-            windows, kept = restore(conv_inputs, states, finals, n_keep, block)
+        def wrong(conv_inputs, states, finals, n_keep, block, mode):
+            windows, kept = pick(conv_inputs, states, finals, n_keep, block, mode)
             if broken == "state":
                 return windows, finals  # the block's last state whatever was accepted
             return [c[:, -w.shape[1] :] for c, w in zip(conv_inputs, windows, strict=True)], kept
 
-        monkeypatch.setattr(tm, "_restore_compiled", wrong)
+        monkeypatch.setattr(tm, "pick_kept", wrong)
     else:  # the drafter keeps the whole block, rejected positions included
 
         def base(drafter, target, catch, cache, k, s, position=0):

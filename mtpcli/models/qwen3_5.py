@@ -25,6 +25,7 @@ from ..errors import LayoutError
 from ..kernels.decode_attention import MAX_T, Rope, decode_attention, native_block
 from ..kernels.gated_delta import gated_delta_conv
 from ..kernels.gated_norm import gated_norm_in_place
+from ..kernels.pick_kept import pick_kept
 from ..layout import gather, stores_w_minus_1
 from ..options import Options
 from ..weights import load_arrays, load_module_weights, read_inventory
@@ -449,7 +450,7 @@ class Qwen35Target:
         return self.text.model.norm(h), new, kept
 
     def rollback(self, cache: list, traces: list, n_keep: int | mx.array, block: int) -> None:
-        rollback(cache, traces, n_keep, block)
+        rollback(cache, traces, n_keep, block, self.mode)
 
     def settle(self, cache: list, dropped: int, idle: bool) -> None:
         settle(cache, dropped, idle)
@@ -486,11 +487,12 @@ def restore_state(cache: ArraysCache, trace: GatedDeltaTrace, n_keep: int) -> No
     cache[1] = trace.states[n_keep - 1 : n_keep].reshape(trace.states.shape[1:])
 
 
-def rollback(cache: list, traces: list, n_keep: int | mx.array, block: int) -> None:
+def rollback(cache: list, traces: list, n_keep: int | mx.array, block: int,
+             mode: str = "auto") -> None:  # fmt: skip
     """Leave ``cache`` exactly as after the first ``n_keep`` of the last ``block`` positions;
     ``n_keep`` an int32 [1] array decides on the device (the host need not have read it)."""
     if isinstance(n_keep, mx.array):
-        rollback_on_device(cache, traces, n_keep, block)
+        rollback_on_device(cache, traces, n_keep, block, mode)
         return
     if n_keep == block:
         return
@@ -502,35 +504,19 @@ def rollback(cache: list, traces: list, n_keep: int | mx.array, block: int) -> N
             restore_state(c, trace, n_keep)
 
 
-def _restore(conv_inputs: list, states: list, finals: list, n_keep: mx.array, block: int):
-    """Every gated-delta layer's conv window and state after the first ``n_keep`` (int32 [1])
-    of ``block`` positions: windows [B, K-1, C] sliced from the conv inputs [B, K-1+T, C],
-    states [B, Hv, Dv, Dk] from the kept per-step states [T-1, ...] or the final ones."""
-    windows, kept = [], []
-    last = mx.minimum(n_keep - 1, block - 2)  # the per-step states stop one short of the block
-    for conv_input, steps, final in zip(conv_inputs, states, finals, strict=True):
-        B, _, C = conv_input.shape
-        windows.append(mx.slice(conv_input, n_keep, (1,), (B, conv_input.shape[1] - block, C)))
-        step = mx.slice(steps, last, (0,), (1, *steps.shape[1:])).reshape(final.shape)
-        kept.append(mx.where(n_keep == block, final, step))
-    return windows, kept
-
-
-_restore_compiled = mx.compile(_restore)
-
-
-def rollback_on_device(cache: list, traces: list, n_keep: mx.array, block: int) -> None:
+def rollback_on_device(cache: list, traces: list, n_keep: mx.array, block: int,
+                       mode: str = "auto") -> None:  # fmt: skip
     """``rollback`` decided on the device: the attention caches' length becomes the length
-    before the block plus ``n_keep``, the gated-delta windows and states are picked by it, all
-    in one compiled graph."""
+    before the block plus ``n_keep``; every gated-delta layer's window and state are picked by
+    it (``kernels.pick_kept``: one launch per kind for all layers where the kernels run)."""
     kv = [c for c, trace in zip(cache, traces, strict=True) if trace is None]
     length = kv[0].length() - block + n_keep
     for c in kv:
         c.keep(length)
     linear = [(c, t) for c, t in zip(cache, traces, strict=True) if t is not None]
-    windows, states = _restore_compiled(
+    windows, states = pick_kept(
         [t.conv_input for _, t in linear], [t.states for _, t in linear],
-        [c[1] for c, _ in linear], n_keep, block,
+        [c[1] for c, _ in linear], n_keep, block, mode,
     )  # fmt: skip
     for (c, _), window, state in zip(linear, windows, states, strict=True):
         c[0], c[1] = window, state
