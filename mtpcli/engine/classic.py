@@ -52,7 +52,7 @@ def generate_classic(
     check_room(target, tokens.shape[1], max_tokens)
     cache = target.make_cache()
     start = time.perf_counter()
-    hidden = target.prefill(tokens, cache, on_prefill)
+    hidden = target.prefill(tokens, cache, on_prefill, every_position=False)  # [1, 1, H]
     y, lse = pick_checked(first_logits(target, hidden), sampling)
     seen = readback(y, lse)  # [2]: the token and its logsumexp
     mx.eval(y, seen)

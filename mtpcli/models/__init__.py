@@ -45,8 +45,10 @@ class Target(Protocol):
         ...
 
     def prefill(self, tokens: mx.array, cache: list,
-                progress: Callable[[int, int], None] | None = None) -> mx.array:  # fmt: skip
-        """A prompt [B, L] into ``cache``; its final-normed hidden states [B, L, H];
+                progress: Callable[[int, int], None] | None = None,
+                every_position: bool = True) -> mx.array:  # fmt: skip
+        """A prompt [B, L] into ``cache``; its final-normed hidden states [B, L, H] (with
+        ``every_position`` False the last position's, [B, 1, H]);
         ``progress(done, total)`` after each part of it."""
         ...
 

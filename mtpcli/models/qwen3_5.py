@@ -459,17 +459,25 @@ class Qwen35Target:
         return cache_arrays(cache)
 
     def prefill(self, tokens: mx.array, cache: list,
-                progress: Callable[[int, int], None] | None = None) -> mx.array:  # fmt: skip
-        """Process a prompt [B, L] in chunks; returns the final-normed hidden states [B, L, H].
-        ``progress(done, total)`` is told of each chunk."""
-        hidden = []
-        for start in range(0, tokens.shape[1], PREFILL_CHUNK):
-            out = self.forward(tokens[:, start : start + PREFILL_CHUNK], cache)
-            mx.eval(out.hidden)
-            hidden.append(out.hidden)
+                progress: Callable[[int, int], None] | None = None,
+                every_position: bool = True) -> mx.array:  # fmt: skip
+        """Process a prompt [B, L]: all but its last token in chunks, the last as a decode step
+        (as mlx-lm does; both engines call this, so their prompts match bitwise). Returns the
+        final-normed hidden states [B, L, H], or with ``every_position`` False the last
+        position's [B, 1, H]: the chunks then evaluate the caches alone, and their last layer's
+        work past its cache is never done. ``progress(done, total)`` is told of each part."""
+        L, hidden = tokens.shape[1], []
+        for start in range(0, L - 1, PREFILL_CHUNK):
+            out = self.forward(tokens[:, start : min(start + PREFILL_CHUNK, L - 1)], cache)
+            mx.eval(*([out.hidden] if every_position else []), *cache_state(cache))
+            hidden += [out.hidden] if every_position else []
             if progress is not None:
-                progress(min(start + PREFILL_CHUNK, tokens.shape[1]), tokens.shape[1])
-        return mx.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
+                progress(min(start + PREFILL_CHUNK, L - 1), L)
+        out = self.forward(tokens[:, L - 1 :], cache)
+        mx.eval(out.hidden, *cache_state(cache))
+        if progress is not None:
+            progress(L, L)
+        return mx.concatenate([*hidden, out.hidden], axis=1) if hidden else out.hidden
 
 
 def trim_kv(cache: RowsKVCache, n: int) -> None:
@@ -528,6 +536,15 @@ def settle(cache: list, dropped: int, idle: bool) -> None:
     for c in cache:
         if isinstance(c, RowsKVCache):
             c.settle(dropped, idle)
+
+
+def cache_state(cache: list) -> list[mx.array]:
+    """Every array the caches hold: the attention buffers and the gated-delta windows and
+    states."""
+    out = []
+    for c in cache:
+        out += [c.keys, c.values] if isinstance(c, RowsKVCache) else list(c.cache)
+    return [a for a in out if a is not None]
 
 
 def cache_arrays(cache: list) -> list[mx.array]:
