@@ -142,6 +142,7 @@ def _print_stats(result) -> None:
             f"MTP: {r.rounds} rounds ({blocks or 'none'}), {r.drafted} drafted, {r.accepted} "
             f"accepted, acceptance {r.acceptance_rate:.3f} (by position: {per}), "
             f"{r.tokens_per_verify:.2f} tokens/verify"
+            + (f", {r.ahead} built ahead (decided on the device)" if r.ahead else "")
         )
         if r.switches:
             err.print("MTP switched " + ", ".join(

@@ -121,7 +121,7 @@ def test_prefill_reports_its_progress_chunk_by_chunk(load, monkeypatch):
     prompt = list(range(10, 20))
     tokens = list(generate_classic(loaded.target, prompt, max_tokens=4,
                                    on_prefill=lambda *step: seen.append(step)))  # fmt: skip
-    assert seen == [(4, 10), (8, 10), (10, 10)]
+    assert seen == [(4, 10), (8, 10), (9, 10), (10, 10)]  # chunks, then the last token
     monkeypatch.setattr(qwen3_5, "PREFILL_CHUNK", 2048)
     assert tokens == list(generate_classic(loaded.target, prompt, max_tokens=4))
 

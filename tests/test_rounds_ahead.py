@@ -7,6 +7,7 @@ rollback or the drafter's kept length changes what comes out."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import mlx.core as mx
@@ -153,3 +154,12 @@ def test_a_broken_device_rollback_changes_the_tokens_or_the_drafts(
         assert got == want and drafts[: len(drafts_read)] != drafts_read
     else:
         assert got != want
+
+
+def test_the_cli_says_how_many_rounds_were_built_ahead(gpu_paths, capsys):
+    from mtpcli.cli import run
+
+    argv = ["generate", "-p", "def f(x):", "-n", "24", "--draft-kind", "mtp", "--temp", "0"]
+    assert run(argv) == 0
+    err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
+    assert re.search(r"MTP: \d+ rounds .* tokens/verify, [1-9]\d* built ahead \(decided on", err)
