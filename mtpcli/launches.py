@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from . import kernels
 from .drafters import Drafter
@@ -30,6 +29,7 @@ from .engine.mtp import CatchUp, draft, verify
 from .engine.sampling import SamplingParams, accept_on_device, greedy
 from .models import Target
 from .models.kv_cache import RowsKVCache
+from .models.qwen3_5 import cache_state
 
 # Primitives that launch no kernel: views and metadata. Their nodes still cost the host.
 VIEWS = frozenset({
@@ -130,13 +130,11 @@ def structure_of(backend: str) -> Iterator[None]:
 
 
 def all_cache_arrays(cache: list) -> list[mx.array]:
-    """Every array a cache holds (a KV cache's whole buffers)."""
-    out = []
-    for c in cache:
-        parts = [c.keys, c.values, c.device_length] if isinstance(c, RowsKVCache) else \
-            [c.keys, c.values] if isinstance(c, KVCache) else list(c.cache)  # fmt: skip
-        out += [a for a in parts if a is not None]
-    return out
+    """Every array a cache holds (a KV cache's whole buffers) and the attention caches' lengths
+    where they are on the device."""
+    lengths = [c.device_length for c in cache
+               if isinstance(c, RowsKVCache) and c.device_length is not None]  # fmt: skip
+    return cache_state(cache) + lengths
 
 
 PROMPT = 16

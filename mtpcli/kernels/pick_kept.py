@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import backend, built, fill, kernel_name, spell, use_native
+from . import available, backend, built, fill, kernel_name, spell, use_native
 
 # Layers a launch takes: Metal binds at most 31 buffers (the count and, per layer, the
 # state kernel's two inputs and output, the window kernel's input and output).
@@ -187,8 +187,7 @@ def pick_kept(conv_inputs: list, states: list, finals: list, n_keep: mx.array, b
     if (
         backend() != "cpu"
         and all(s.dtype == mx.float32 for s in states)
-        and all(_kernel(kind, len(g)) is not None for g in _groups(len(finals))
-                for kind in ("states", "windows"))
+        and available(backend())
         and use_native("pick_kept", key, lambda: _self_check(len(finals), block, dtype), mode)
     ):  # fmt: skip
         out = pick_kept_native(conv_inputs, states, finals, n_keep, block)

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_5, qwen3_5_moe
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .. import kernels
 from ..config import ModelConfig
@@ -469,8 +469,9 @@ class Qwen35Target:
         L, hidden = tokens.shape[1], []
         for start in range(0, L - 1, PREFILL_CHUNK):
             out = self.forward(tokens[:, start : min(start + PREFILL_CHUNK, L - 1)], cache)
-            mx.eval(*([out.hidden] if every_position else []), *cache_state(cache))
-            hidden += [out.hidden] if every_position else []
+            kept = [out.hidden] if every_position else []
+            mx.eval(*kept, *cache_state(cache))
+            hidden += kept
             if progress is not None:
                 progress(min(start + PREFILL_CHUNK, L - 1), L)
         out = self.forward(tokens[:, L - 1 :], cache)
@@ -543,7 +544,7 @@ def cache_state(cache: list) -> list[mx.array]:
     states."""
     out = []
     for c in cache:
-        out += [c.keys, c.values] if isinstance(c, RowsKVCache) else list(c.cache)
+        out += [c.keys, c.values] if isinstance(c, KVCache) else list(c.cache)
     return [a for a in out if a is not None]
 
 
