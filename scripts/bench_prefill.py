@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if args.tokens < 2 or args.repeats < 1:
+        ap.error("--tokens must be at least 2 and --repeats at least 1")
     t, d = ensure_example()
     target = load_pair(str(t), str(d)).target
     vocab = target.config.text.vocab_size
