@@ -345,6 +345,13 @@ def serve(
     qmm: str = typer.Option(
         "auto", "--qmm", envvar="MTP_QMM", help="auto | mlx | ours, as for generate."
     ),  # fmt: skip
+    prompt_cache_bytes: int = typer.Option(
+        2 << 30,
+        "--prompt-cache-bytes",
+        min=0,
+        help="Memory for snapshots of processed prompts, reused by requests that start the "
+        "same way (0: off).",
+    ),  # fmt: skip
 ) -> None:
     """Serve the target over an OpenAI-compatible HTTP API.
 
@@ -361,7 +368,7 @@ def serve(
     stopped_by = run_server(
         loaded, model_name or model or "example", host=host, port=port,
         block_size=draft_block_size, force_mtp=draft_kind == "mtp",
-        default_max_tokens=max_tokens, note=_note,
+        default_max_tokens=max_tokens, note=_note, prompt_cache_bytes=prompt_cache_bytes,
     )  # fmt: skip
     if stopped_by == signal.SIGINT:
         raise Interrupted("interrupted")

@@ -4,7 +4,7 @@ and other tools (a server, a notebook) call ``generate``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -13,6 +13,7 @@ from . import gate
 from .config import check_block_size
 from .engine.classic import generate_classic
 from .engine.mtp import generate_mtp
+from .engine.prompt_cache import PromptCache
 from .engine.sampling import SamplingParams
 from .errors import UsageError
 from .loading import Loaded
@@ -42,6 +43,7 @@ class GenerateResult:
         s, r = self.stats, self.stats.mtp
         stats = {
             "prompt_tokens": s.prompt_tokens,
+            "prompt_cached_tokens": s.prompt_cached,
             "prompt_tps": s.prompt_tps,
             "generation_tokens": s.generation_tokens,
             "generation_tps": s.generation_tps,
@@ -132,6 +134,8 @@ def generate(
     note: Callable[[str], None] = _silent,
     on_decision: Callable[[gate.GateDecision], None] = lambda decision: None,
     on_prefill: Callable[[int, int], None] | None = None,
+    prompt_cache: PromptCache | None = None,
+    boundaries: Collection[int] = (),
 ) -> GenerateResult:
     """Generate from ``prompt`` (text, through the chat template where the tokenizer has one
     and ``chat_template``; or token ids as they are) with the pair ``load_pair`` gave.
@@ -140,7 +144,10 @@ def generate(
     ``block_size``, at which block size; ``force_mtp`` runs MTP regardless (at ``block_size``
     or the drafter's). ``on_text`` receives the text as it is decoded, ``note`` the gate's
     messages (calibration, a cache entry measured again), ``on_decision`` the gate's decision
-    before decoding starts, ``on_prefill`` the prompt's progress (tokens done, total). Decoding
+    before decoding starts, ``on_prefill`` the prompt's progress (tokens done, total). With a
+    ``prompt_cache`` the prompt resumes from the longest snapshot there that it starts with and
+    leaves snapshots of its own (also at the token positions in ``boundaries``, say where its
+    messages end), the tokens those of a cold start. Decoding
     ends at EOS, after ``max_tokens``, where the text first
     holds one of the ``stop`` strings (the text is cut before it, and no part of it is streamed),
     or once ``cancelled()`` says so (asked before each token). At temperature 0 the tokens are
@@ -181,10 +188,12 @@ def generate(
                               block_size=max(chooser.blocks) if chooser else decision.block,
                               max_tokens=max_tokens, sampling=sampling, eos_ids=eos,
                               stats=stats, choose_block=chooser,
-                              on_prefill=on_prefill)  # fmt: skip
+                              on_prefill=on_prefill, prompt_cache=prompt_cache,
+                              boundaries=boundaries)  # fmt: skip
     else:
         tokens = generate_classic(target, ids, max_tokens=max_tokens, sampling=sampling,
-                                  eos_ids=eos, stats=stats, on_prefill=on_prefill)  # fmt: skip
+                                  eos_ids=eos, stats=stats, on_prefill=on_prefill,
+                                  prompt_cache=prompt_cache, boundaries=boundaries)  # fmt: skip
     detok = tokenizer.detokenizer
     detok.reset()
     out_ids: list[int] = []

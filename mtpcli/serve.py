@@ -4,7 +4,9 @@
 ``/v1/models`` and ``/health``. Each request goes through ``generation.generate``: the same
 prompt encoding, gate, engines and exactness as the CLI. One request decodes at a time, on the
 main thread (MLX's work stays on one thread); the others wait in a queue, and the HTTP side
-(Starlette on uvicorn, in a thread of its own) only parses, queues and relays.
+(Starlette on uvicorn, in a thread of its own) only parses, queues and relays. A prompt cache
+(``engine/prompt_cache.py``) lets a request that starts as an earlier one did (a shared system
+prompt, the next turn of a chat) skip processing that part, with the tokens of a cold start.
 """
 
 from __future__ import annotations
@@ -22,15 +24,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import check_room
+from .engine.prompt_cache import PromptCache
 from .engine.sampling import SamplingParams
 from .errors import ContextTooLongError, MtpError, SamplingError, ServeError, UsageError
 from .generation import GenerateResult, generate
 from .loading import Loaded
-from .tokenizer import encode_messages, encode_prompt
+from .tokenizer import encode_messages, encode_prompt, message_ends
 
 MAX_STOPS = 4  # as OpenAI's API
 MAX_BODY_BYTES = 8 << 20
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request looks for its client
+DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 STOP_BOUND_S = 5.0  # Ctrl-C or SIGTERM: running streams ended and the process gone within this
 
 
@@ -54,6 +58,7 @@ class Job:
     """One request's decoding: what to decode, and the events it yields to its handler."""
 
     ids: list[int]
+    boundaries: list[int]  # token positions where the request's messages end
     max_tokens: int
     sampling: SamplingParams
     seed: int | None
@@ -72,9 +77,11 @@ class Decoder:
     """Decodes queued jobs one at a time with a loaded pair (``run`` on the main thread)."""
 
     def __init__(self, loaded: Loaded, block_size: int | None = None, force_mtp: bool = False,
-                 note: Callable[[str], None] = lambda msg: None):  # fmt: skip
+                 note: Callable[[str], None] = lambda msg: None,
+                 prompt_cache_bytes: int = 0):  # fmt: skip
         self.loaded, self.block_size, self.force_mtp = loaded, block_size, force_mtp
         self.note = note
+        self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.busy = False
         self.served = 0
@@ -124,6 +131,7 @@ class Decoder:
                 block_size=self.block_size, force_mtp=self.force_mtp, seed=job.seed,
                 stop=job.stop, cancelled=job.cancel.is_set,
                 on_text=lambda text: job.put("text", text), note=self.note,
+                prompt_cache=self.prompt_cache, boundaries=job.boundaries,
             )  # fmt: skip
         except MtpError as e:
             job.put("error", BadRequest(400 if isinstance(e, UsageError) else 500, str(e),
@@ -272,6 +280,7 @@ class Server:
             "decoding": d.busy, "queued": d.jobs.qsize(), "served": d.served,
             "cancelled": d.cancelled,
             "concurrency": "one request decodes at a time; the others wait in a queue",
+            "prompt_cache": _prompt_cache(d.prompt_cache),
         })  # fmt: skip
 
     async def models(self, request):
@@ -321,16 +330,22 @@ class Server:
         tokenizer = self.decoder.loaded.tokenizer
         if chat:
             messages = _messages(body)
-            encode = lambda: encode_messages(tokenizer, messages)  # noqa: E731
+
+            def encode() -> tuple[list[int], list[int]]:
+                ids = encode_messages(tokenizer, messages)
+                return ids, message_ends(tokenizer, messages, ids)
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
             if not isinstance(prompt, str) or not prompt:
                 raise BadRequest(400, "'prompt' must be a non-empty string", "prompt")
-            encode = lambda: encode_prompt(tokenizer, prompt, ignore_template=True)  # noqa: E731
+
+            def encode() -> tuple[list[int], list[int]]:
+                return encode_prompt(tokenizer, prompt, ignore_template=True), []
+
         try:
-            ids = await run_in_threadpool(encode)
+            ids, boundaries = await run_in_threadpool(encode)
             check_room(self.decoder.loaded.target, len(ids), max_tokens)
         except ContextTooLongError as e:
             raise _refused(e, param="messages" if chat else "prompt",
@@ -339,7 +354,7 @@ class Server:
             raise BadRequest(400, str(e), "messages" if chat else "prompt") from e
         if not ids:
             raise BadRequest(400, "the prompt encodes to no tokens", "prompt")
-        job = Job(ids, max_tokens, sampling, seed, stop, asyncio.get_running_loop())
+        job = Job(ids, boundaries, max_tokens, sampling, seed, stop, asyncio.get_running_loop())
         return job, body
 
     async def _complete(self, request, chat: bool):
@@ -444,7 +459,18 @@ class Server:
 def _usage(job: Job, result: GenerateResult) -> dict:
     n = len(result.tokens)
     return {"prompt_tokens": len(job.ids), "completion_tokens": n,
-            "total_tokens": len(job.ids) + n}  # fmt: skip
+            "total_tokens": len(job.ids) + n,
+            "prompt_tokens_details": {"cached_tokens": result.stats.prompt_cached}}  # fmt: skip
+
+
+def _prompt_cache(cache: PromptCache | None) -> dict | None:
+    """The prompt cache as /health shows it (None where it is off)."""
+    if cache is None:
+        return None
+    s = cache.stats
+    return {"max_bytes": cache.max_bytes, "bytes": cache.bytes, "entries": len(cache.entries),
+            "lookups": s.lookups, "hits": s.hits, "tokens_reused": s.tokens_reused,
+            "evicted": s.evicted}  # fmt: skip
 
 
 def _mtp(result: GenerateResult) -> dict:
@@ -481,14 +507,15 @@ def check_port(host: str, port: int) -> None:
 
 def serve(loaded: Loaded, model_id: str, *, host: str = "127.0.0.1", port: int = 8080,
           block_size: int | None = None, force_mtp: bool = False, default_max_tokens: int = 256,
-          note: Callable[[str], None] = lambda msg: None) -> int | None:  # fmt: skip
+          note: Callable[[str], None] = lambda msg: None,
+          prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES) -> int | None:  # fmt: skip
     """Serve ``loaded`` until Ctrl-C, SIGTERM or the HTTP server stops. Returns the signal
     that stopped it (None otherwise), once the decoding request has ended with a last event,
     the queued ones got a 503 and the HTTP side closed (within ``STOP_BOUND_S``)."""
     import uvicorn
 
     check_port(host, port)
-    decoder = Decoder(loaded, block_size, force_mtp, note)
+    decoder = Decoder(loaded, block_size, force_mtp, note, prompt_cache_bytes)
     app = Server(decoder, model_id, default_max_tokens).app()
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level="warning", lifespan="off",

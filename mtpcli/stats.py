@@ -71,6 +71,7 @@ class MTPStats:
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    prompt_cached: int = 0  # of the prompt's tokens, those a prompt-cache snapshot held
     prompt_s: float = 0.0
     generation_tokens: int = 0
     generation_s: float = 0.0
@@ -87,7 +88,9 @@ class GenerationStats:
 
     @property
     def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prompt_s if self.prompt_s else 0.0
+        """Tokens processed (not taken from the prompt cache) a second."""
+        done = self.prompt_tokens - self.prompt_cached
+        return done / self.prompt_s if self.prompt_s else 0.0
 
     @property
     def generation_tps(self) -> float:

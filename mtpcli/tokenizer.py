@@ -71,6 +71,21 @@ def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def message_ends(tokenizer, messages: list[dict[str, str]], ids: list[int],
+                 last: int = 4) -> list[int]:  # fmt: skip
+    """Where in a conversation's ``ids`` its first message and its ``last`` messages before the
+    final one end: the tokens that the conversation cut after that message shares with it
+    (a later request with the same system prompt, or the next turn, starts the same way)."""
+    n = len(messages)
+    out = []
+    for i in sorted({1, *range(max(n - last, 1), n)} - {n}):
+        head = encode_messages(tokenizer, messages[:i])
+        shared = next((j for j, (a, b) in enumerate(zip(head, ids, strict=False)) if a != b),
+                      min(len(head), len(ids)))  # fmt: skip
+        out.append(shared)
+    return out
+
+
 def _check_utf8(what: str, text: str) -> None:
     try:
         text.encode("utf-8")

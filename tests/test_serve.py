@@ -357,3 +357,33 @@ def test_a_signal_ends_streams_answers_the_queue_and_exits(tmp_path, sig, code):
     last = json.loads(rest[-2][len("data: ") :])
     assert last["choices"][0]["finish_reason"] == "cancelled"
     assert queued["status"] == 503 and queued["body"]["error"]["code"] == "server_shutting_down"
+
+
+def test_a_shared_system_prompt_is_processed_once_and_answers_stay_exact(server):
+    """The second request with the same long system prompt resumes from the snapshot at the
+    last chunk boundary (512) before the system message's end; both answers are the cold
+    ``mtp generate`` answers."""
+    import contextlib
+    import io
+
+    system = " ".join(f"Rule {i}: keep the parser small and its errors plain." for i in range(25))
+    client = _client(server)
+    health = httpx.get(f"{server}/health").json()["prompt_cache"]
+    for i, prompt in enumerate(PROMPTS[:2]):
+        out = io.StringIO()
+        argv = ["generate", "-p", prompt, "--system-prompt", system, "-n", "16", "--json",
+                "--draft-kind", "none"]  # fmt: skip
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            assert run(argv) == 0
+        ref = json.loads(out.getvalue())
+        assert 512 < ref["stats"]["prompt_tokens"] < 1024  # the system message ends past 512
+        r = client.chat.completions.create(
+            model="example", max_tokens=16, temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": prompt}],
+        )  # fmt: skip
+        assert r.choices[0].message.content == ref["text"]
+        assert r.usage.prompt_tokens == ref["stats"]["prompt_tokens"]
+        assert r.usage.prompt_tokens_details.cached_tokens == (0 if i == 0 else 512)
+    after = httpx.get(f"{server}/health").json()["prompt_cache"]
+    assert after["hits"] == health["hits"] + 1 and after["tokens_reused"] >= 512
+    assert 0 < after["bytes"] <= after["max_bytes"] == 2 << 30

@@ -38,6 +38,14 @@ class Drafter(Protocol):
         """The host read a ``keep``: ``dropped`` positions went; ``idle``: none is in flight."""
         ...
 
+    def snapshot(self, cache: list, positions: int) -> list:
+        """The first ``positions`` of ``cache`` as they are now, unchanged by later steps."""
+        ...
+
+    def restore(self, snapshot: list) -> list:
+        """A cache to draft on, holding what the ``snapshot`` held."""
+        ...
+
     def reads_lengths_on_device(self, cache: list, L: int) -> bool:
         """Whether a forward of L tokens reads the cache's length on the device (so ``keep``
         may leave it unread there)."""

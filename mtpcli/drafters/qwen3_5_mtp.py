@@ -17,7 +17,7 @@ from mlx_lm.models.base import create_attention_mask
 
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..models.kv_cache import RowsKVCache
+from ..models.kv_cache import RowsKVCache, held
 from ..models.quantized_layers import install
 from ..models.qwen3_5 import (
     LayerFunctions,
@@ -104,6 +104,12 @@ class Qwen35MTPDrafter:
 
     def offset(self, cache: list) -> int:
         return cache[0].offset
+
+    def snapshot(self, cache: list, positions: int) -> list:
+        return [held(c, positions) for c in cache]
+
+    def restore(self, snapshot: list) -> list:
+        return [held(c) for c in snapshot]
 
 
 DRAFT_BITS = (4, 8)

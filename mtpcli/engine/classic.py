@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 import mlx.core as mx
 
 from ..models import Target
 from ..stats import GenerationStats
 from . import check_room, first_logits, prompt_array
+from .prompt_cache import PromptCache, PromptStart
 from .sampling import SamplingParams, check_finite, pick_checked, readback
 
 
@@ -43,20 +44,32 @@ def generate_classic(
     eos_ids: Iterable[int] = (),
     stats: GenerationStats | None = None,
     on_prefill: Callable[[int, int], None] | None = None,
+    prompt_cache: PromptCache | None = None,
+    boundaries: Collection[int] = (),
 ) -> Iterator[int]:
     """Yield generated token ids (EOS excluded) until EOS or ``max_tokens``; ``on_prefill``
-    follows the prompt's processing (tokens done, total)."""
+    follows the prompt's processing (tokens done, total). With a ``prompt_cache`` the prompt
+    resumes from its longest snapshot there and leaves its own (at ``boundaries`` too)."""
     stats = stats if stats is not None else GenerationStats()
     eos = set(eos_ids)
     tokens = prompt_array(prompt)
     check_room(target, tokens.shape[1], max_tokens)
-    cache = target.make_cache()
     start = time.perf_counter()
-    hidden = target.prefill(tokens, cache, on_prefill, every_position=False)  # [1, 1, H]
+    ps = PromptStart(prompt_cache, tokens[0].tolist(), boundaries)
+    cache = target.restore(ps.snapshot.target) if ps.snapshot else target.make_cache()
+    hidden = target.prefill(
+        tokens,
+        cache,
+        on_prefill,
+        every_position=False,
+        start=ps.start,
+        on_cut=lambda p: ps.cut(target, cache, p),
+    )  # [1, 1, H]
     y, lse = pick_checked(first_logits(target, hidden), sampling)
     seen = readback(y, lse)  # [2]: the token and its logsumexp
     mx.eval(y, seen)
     stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
+    stats.prompt_cached = ps.start
     start = time.perf_counter()
     n = 0
     try:

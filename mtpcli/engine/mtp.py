@@ -14,7 +14,7 @@ r + 1 while the device runs round r, and reads round r afterwards.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -25,6 +25,7 @@ from ..models import ForwardOut, Target
 from ..stats import GenerationStats, MTPStats
 from . import check_room, first_logits, prompt_array
 from .classic import decode_step, read_token
+from .prompt_cache import PromptCache, PromptStart
 from .sampling import (
     SamplingParams,
     accept,
@@ -215,6 +216,8 @@ def generate_mtp(
     choose_block: Callable[[MTPStats, int], int] | None = None,
     on_prefill: Callable[[int, int], None] | None = None,
     build_ahead: bool = True,
+    prompt_cache: PromptCache | None = None,
+    boundaries: Collection[int] = (),
 ) -> Iterator[int]:
     """Yield generated token ids (EOS excluded) until EOS or ``max_tokens``.
 
@@ -224,7 +227,9 @@ def generate_mtp(
     classic step where no round is expected to pay; without it every round has
     ``block_size``. ``on_prefill`` follows the prompt's processing (tokens done, total).
     ``build_ahead`` False reads every round before the next is built (to measure what building
-    ahead gains).
+    ahead gains). With a ``prompt_cache`` the prompt resumes from its longest snapshot there
+    (one an MTP run left: it holds the drafter's part) and leaves its own (at ``boundaries``
+    too).
     """
     check_block_size(block_size)
     stats = stats if stats is not None else GenerationStats()
@@ -232,15 +237,26 @@ def generate_mtp(
     eos = set(eos_ids)
     tokens = prompt_array(prompt)
     check_room(target, tokens.shape[1], max_tokens)
-    tcache, dcache = target.make_cache(), drafter.make_cache()
     start = time.perf_counter()
-    hidden = target.prefill(tokens, tcache, on_prefill)  # [1, L, H]
+    ids = tokens[0].tolist()
+    ps = PromptStart(prompt_cache, ids, boundaries, mtp=True)
+    if ps.snapshot is None:
+        tcache, dcache = target.make_cache(), drafter.make_cache()
+    else:
+        tcache, dcache = target.restore(ps.snapshot.target), drafter.restore(ps.snapshot.drafter)
+    hidden = target.prefill(
+        tokens, tcache, on_prefill, start=ps.start, on_cut=lambda p: ps.cut(target, tcache, p)
+    )  # [1, L - start, H]
+    if ps.snapshot is not None:  # the drafter reads on from the snapshot's last position
+        hidden = mx.concatenate([ps.snapshot.hidden, hidden], axis=1)
     pending = int(pick(first_logits(target, hidden), sampling).item())
-    unseen = Unseen(tokens[0, 1:].tolist() + [pending], hidden)
+    unseen = Unseen(ids[max(ps.start, 1) :] + [pending], hidden)
     caught = unseen.catch_up(drafter, dcache, batch=1)  # the drafter's part of the prompt
     if caught is not None:
         mx.eval(caught)
+    ps.drafter_parts(drafter, dcache, hidden)
     stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
+    stats.prompt_cached = ps.start
     start = time.perf_counter()
     emitted, n = [pending], 0
     queued = None  # a classic step already submitted: it feeds ``pending``

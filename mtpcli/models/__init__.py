@@ -46,10 +46,21 @@ class Target(Protocol):
 
     def prefill(self, tokens: mx.array, cache: list,
                 progress: Callable[[int, int], None] | None = None,
-                every_position: bool = True) -> mx.array:  # fmt: skip
-        """A prompt [B, L] into ``cache``; its final-normed hidden states [B, L, H] (with
-        ``every_position`` False the last position's, [B, 1, H]);
-        ``progress(done, total)`` after each part of it."""
+                every_position: bool = True, start: int = 0,
+                on_cut: Callable[[int], None] | None = None) -> mx.array:  # fmt: skip
+        """A prompt [B, L] into ``cache``, which holds its first ``start`` positions already
+        (0, or a cut); the final-normed hidden states of the rest [B, L - start, H] (with
+        ``every_position`` False the last position's, [B, 1, H]); ``on_cut(p)`` at each cut
+        (the positions where any prompt's processing stops between chunks: the cache there
+        is the same whatever follows); ``progress(done, total)`` after each part of it."""
+        ...
+
+    def snapshot(self, cache: list) -> list:
+        """The state of ``cache`` now, unchanged by later steps (for ``restore``)."""
+        ...
+
+    def restore(self, snapshot: list) -> list:
+        """A cache to decode on, holding what the ``snapshot`` held."""
         ...
 
     def lm_head(self, hidden: mx.array, exact: bool = False) -> mx.array:

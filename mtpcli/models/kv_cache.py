@@ -83,6 +83,22 @@ class RowsKVCache(KVCache):
         )
 
 
+def held(cache: RowsKVCache, rows: int | None = None) -> RowsKVCache:
+    """A cache holding the first ``rows`` (default: all) filled rows of ``cache``, whatever is
+    written to either later: the rows copied to buffers of their own (a prompt-cache
+    snapshot, and the cache a restored one starts from). The length must be known on the
+    host."""
+    assert cache.device_length is None, "a cache with rounds in flight has no host length"
+    n = cache.offset if rows is None else rows
+    assert 0 <= n <= cache.offset, f"the cache holds {cache.offset} rows, not {n}"
+    out = RowsKVCache()
+    if n > 0:
+        out.keys = mx.contiguous(cache.keys[..., :n, :])  # [B, Hkv, n, D]
+        out.values = mx.contiguous(cache.values[..., :n, :])
+        out.offset = n
+    return out
+
+
 class GraphKV:
     """A filled ``RowsKVCache`` as a compiled forward sees it: its buffers and length are
     arrays of the graph, so one trace serves every length."""

@@ -30,11 +30,27 @@ from ..layout import gather, stores_w_minus_1
 from ..options import Options
 from ..weights import load_arrays, load_module_weights, read_inventory
 from . import ForwardOut, GatedDeltaTrace
-from .kv_cache import GraphKV, RowsKVCache
+from .kv_cache import GraphKV, RowsKVCache, held
 from .quantized_layers import FusedProjection, install, linear_add
 from .row_policy import RowPolicy, dense
 
-PREFILL_CHUNK = 2048
+# A prompt's chunks end at multiples of this (counted from its first token), which are also
+# where the prompt cache can resume a later prompt exactly: 512 is as fast as 2048 on CPU
+# (docs/design.md, "Prompt cache") and leaves at most 511 tokens of a shared prefix unused.
+PREFILL_CHUNK = 512
+
+
+def is_cut(p: int, length: int) -> bool:
+    """Whether processing a prompt of ``length`` tokens stops between chunks after its first
+    ``p`` (``Qwen35Target.prefill``): at the multiples of the chunk, and before the last."""
+    return 0 < p <= length - 1 and (p % PREFILL_CHUNK == 0 or p == length - 1)
+
+
+def cut_at_or_before(p: int) -> int:
+    """The last multiple of the chunk at or before ``p`` (a cut of every longer prompt)."""
+    return p // PREFILL_CHUNK * PREFILL_CHUNK
+
+
 COMPILE_MAX_T = 16  # decode steps and verify blocks; a prompt's length would trace once per use
 
 
@@ -460,25 +476,44 @@ class Qwen35Target:
 
     def prefill(self, tokens: mx.array, cache: list,
                 progress: Callable[[int, int], None] | None = None,
-                every_position: bool = True) -> mx.array:  # fmt: skip
+                every_position: bool = True, start: int = 0,
+                on_cut: Callable[[int], None] | None = None) -> mx.array:  # fmt: skip
         """Process a prompt [B, L]: all but its last token in chunks, the last as a decode step
         (as mlx-lm does; both engines call this, so their prompts match bitwise). Returns the
-        final-normed hidden states [B, L, H], or with ``every_position`` False the last
-        position's [B, 1, H]: the chunks then evaluate the caches alone, and their last layer's
-        work past its cache is never done. ``progress(done, total)`` is told of each part."""
+        final-normed hidden states of positions ``start``..L-1 [B, L - start, H], or with
+        ``every_position`` False the last position's [B, 1, H]: the chunks then evaluate the
+        caches alone, and their last layer's work past its cache is never done.
+
+        Chunks end at the multiples of ``PREFILL_CHUNK`` and at L - 1 (the cuts), counted from
+        the prompt's first token, so a prompt resumed at a cut (``start`` positions already in
+        ``cache``, from a prompt-cache snapshot) computes every later position exactly as a
+        prompt processed whole. ``on_cut(p)`` is told of each cut p once the cache holds p
+        positions; ``progress(done, total)`` of each part."""
         L, hidden = tokens.shape[1], []
-        for start in range(0, L - 1, PREFILL_CHUNK):
-            out = self.forward(tokens[:, start : min(start + PREFILL_CHUNK, L - 1)], cache)
+        assert 0 <= start < L, "a resumed prompt has a token left to process"
+        pos = start
+        while pos < L - 1:
+            end = min(cut_at_or_before(pos) + PREFILL_CHUNK, L - 1)
+            out = self.forward(tokens[:, pos:end], cache)
             kept = [out.hidden] if every_position else []
             mx.eval(*kept, *cache_state(cache))
             hidden += kept
+            pos = end
+            if on_cut is not None:
+                on_cut(pos)
             if progress is not None:
-                progress(min(start + PREFILL_CHUNK, L - 1), L)
+                progress(pos, L)
         out = self.forward(tokens[:, L - 1 :], cache)
         mx.eval(out.hidden, *cache_state(cache))
         if progress is not None:
             progress(L, L)
         return mx.concatenate([*hidden, out.hidden], axis=1) if hidden else out.hidden
+
+    def snapshot(self, cache: list) -> list:
+        return snapshot(cache)
+
+    def restore(self, snapshot: list) -> list:
+        return restore(snapshot)
 
 
 def trim_kv(cache: RowsKVCache, n: int) -> None:
@@ -546,6 +581,26 @@ def cache_state(cache: list) -> list[mx.array]:
     for c in cache:
         out += [c.keys, c.values] if isinstance(c, KVCache) else list(c.cache)
     return [a for a in out if a is not None]
+
+
+def snapshot(cache: list) -> list:
+    """The caches' state now, which later steps leave as it is: each attention layer's rows
+    copied (``held``), each gated-delta layer's window and state as they are (a step
+    replaces those arrays, never writes into them)."""
+    return [held(c) if isinstance(c, RowsKVCache) else (c[0], c[1]) for c in cache]
+
+
+def restore(snapshot: list) -> list:
+    """A cache to decode on from a ``snapshot`` (which stays as it is)."""
+    out: list = []
+    for s in snapshot:
+        if isinstance(s, RowsKVCache):
+            out.append(held(s))
+        else:
+            c = ArraysCache(size=2)
+            c[0], c[1] = s
+            out.append(c)
+    return out
 
 
 def cache_arrays(cache: list) -> list[mx.array]:
