@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .errors import Interrupted, MtpError, OutputError, PromptError, UsageError
+from .errors import Interrupted, MtpError, OutputError, PipelineError, PromptError, UsageError
 
 app = typer.Typer(
     add_completion=False,
@@ -291,6 +291,16 @@ def generate(
     loaded = _load(model, draft_model, draft_kind, draft_block_size, draft_quantize,
                    Options(kernels=kernels, qmm=qmm))  # fmt: skip
     text = _read_prompt(prompt)
+    stage = loaded.target.stage
+    if stage is not None:  # mlx.launch ends every process once one has ended
+        signal.signal(signal.SIGTERM, _pipeline_ended)
+    if stage is not None and stage.rank != 0:  # in a pipeline, rank 0 speaks for all
+        with _pipeline_errors():
+            run_generate(loaded, text, max_tokens=max_tokens, sampling=sampling,
+                         block_size=draft_block_size, force_mtp=draft_kind == "mtp",
+                         system_prompt=system_prompt, chat_template=not ignore_chat_template,
+                         seed=seed)  # fmt: skip
+        return
     if verbose:
         err.print(
             f"target {loaded.target_dir}; drafter {loaded.drafter_dir}; kind {loaded.draft_kind}"
@@ -304,17 +314,36 @@ def generate(
         if verbose or not decision.engaged:
             err.print(f"MTP gate: {decision.reason}", style="dim")
 
-    result = run_generate(
-        loaded, text, max_tokens=max_tokens, sampling=sampling, block_size=draft_block_size,
-        force_mtp=draft_kind == "mtp", system_prompt=system_prompt,
-        chat_template=not ignore_chat_template, seed=seed, on_text=stream, note=_note,
-        on_decision=decided, on_prefill=PrefillBar(),
-    )  # fmt: skip
+    with _pipeline_errors() if stage is not None else contextlib.nullcontext():
+        result = run_generate(
+            loaded, text, max_tokens=max_tokens, sampling=sampling, block_size=draft_block_size,
+            force_mtp=draft_kind == "mtp", system_prompt=system_prompt,
+            chat_template=not ignore_chat_template, seed=seed, on_text=stream, note=_note,
+            on_decision=decided, on_prefill=PrefillBar(),
+        )  # fmt: skip
     if as_json:
         _write(json.dumps(result.as_dict()) + "\n")
     else:
         _write("\n")
         _print_stats(result)
+
+
+@contextlib.contextmanager
+def _pipeline_errors():
+    """A lost connection between the pipeline's processes, as MLX's ring reports it (a
+    RuntimeError), becomes a named error."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "[ring]" not in str(e):
+            raise
+        raise PipelineError(f"the pipeline lost a process ({e}); its error, if it had one, is "
+                            "above") from e  # fmt: skip
+
+
+def _pipeline_ended(signum, frame) -> None:
+    raise PipelineError("another process of the pipeline ended, so mlx.launch stopped this "
+                        "one; its error is above")  # fmt: skip
 
 
 @app.command()
@@ -358,10 +387,14 @@ def serve(
     Ctrl-C (exit 130) or SIGTERM (exit 0) stops it: a decoding request ends at its next token
     with a last event (finish_reason "cancelled", then [DONE]), queued requests get a 503, and
     the process exits within 5 seconds."""
+    from .models.pipeline import launched
     from .options import Options
     from .serve import check_port
     from .serve import serve as run_server
 
+    if launched():
+        raise PipelineError("mtp serve runs in one process; start it without mlx.launch (a "
+                            "pipelined target runs with mtp generate)")  # fmt: skip
     check_port(host, port)  # before minutes of loading
     loaded = _load(model, draft_model, draft_kind, draft_block_size, draft_quantize,
                    Options(kernels=kernels, qmm=qmm))  # fmt: skip
@@ -500,8 +533,13 @@ def bench(
     from . import bench as B
     from .example import NOTE
     from .files import why, writable_dir
+    from .models.pipeline import launched
     from .options import Options
 
+    if launched():
+        raise PipelineError("mtp bench runs in one process; start it without mlx.launch "
+                            "(scripts/bench_pipeline.py times mtp generate over 1, 2 and 3 "
+                            "processes)")  # fmt: skip
     options = Options(kernels=kernels, qmm=qmm)
     if out is not None:
         writable_dir(out)  # before the run, whose results would otherwise be lost

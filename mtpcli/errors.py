@@ -103,3 +103,8 @@ class ContextTooLongError(UsageError):
 
 class SamplingError(UsageError):
     """Sampling settings that cannot be sampled from (e.g. a temperature of 1e-40)."""
+
+
+class PipelineError(MtpError):
+    """A target cannot be split over the processes ``mlx.launch`` started (more processes than
+    layers), or the processes cannot reach each other."""

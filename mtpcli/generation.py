@@ -17,6 +17,7 @@ from .engine.prompt_cache import PromptCache
 from .engine.sampling import SamplingParams
 from .errors import UsageError
 from .loading import Loaded
+from .models.pipeline import shared_seed
 from .stats import GenerationStats
 from .tokenizer import encode_prompt
 
@@ -169,11 +170,24 @@ def generate(
     else:
         ids = list(prompt)
     eos = set(tokenizer.eos_token_ids) | set(target.config.eos_token_ids)
+    stage = target.stage
+    if stage is not None and seed is None and not sampling.greedy:
+        seed = shared_seed(stage)  # every stage samples the same tokens
     if seed is not None:
         mx.random.seed(seed)
     stats = GenerationStats()
     decision = None
-    if pair.drafter is not None:
+    if pair.drafter is not None and stage is not None and not force_mtp:
+        # Each process would time its own calibration and could decide otherwise: in a
+        # pipeline MTP runs only when asked for, at a fixed block size.
+        decision = gate.GateDecision(
+            False,
+            block_size or pair.drafter.block_size,
+            "off in a pipeline unless forced (--draft-kind mtp)",
+            None,
+        )
+        on_decision(decision)
+    elif pair.drafter is not None:
         decision = gate.gate(
             target, pair.drafter, block_size or pair.drafter.block_size, pair.pair_key,
             gate_arms(target, pair.drafter), context=len(ids), max_tokens=max_tokens,

@@ -192,6 +192,7 @@ def load_pair(model: str, draft_model: str | None = None, draft_kind: str = "aut
     load; ``progress`` is told what is being loaded. Nothing is allocated before the checks
     pass."""
     from .drafters.qwen3_5_mtp import load_drafter
+    from .models.pipeline import stage
     from .models.qwen3_5 import load_target
 
     target_dir = resolve_path(model, "model")
@@ -220,7 +221,8 @@ def load_pair(model: str, draft_model: str | None = None, draft_kind: str = "aut
     tokenizer = load_tokenizer(target_dir, tcfg.eos_token_ids, tcfg.text.vocab_size)
     size = sum(t.nbytes for t in read_inventory(target_dir).values()) / 1e9
     progress(f"loading the target ({size:.1f} GB)")
-    target = load_target(target_dir, tcfg, options)
+    # Under mlx.launch (several processes), this one loads and runs its part of the layers.
+    target = load_target(target_dir, tcfg, options, stage(tcfg.text.num_hidden_layers))
     if dcfg:
         progress("loading the drafter" + (f", quantizing it to {draft_quantize} bits"
                                           if draft_quantize else ""))  # fmt: skip

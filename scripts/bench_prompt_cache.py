@@ -1,6 +1,7 @@
 """Time to first text of a chat request whose start an earlier request already had, against a
-cold one of the same size: ours (``mtp serve``) and ``mlx_lm.server`` on the built-in example,
-each started here in turn and spoken to by the openai client, streaming.
+cold one of the same size: ours (``mtp serve``, MTP forced and classic) and ``mlx_lm.server``
+on the built-in example, each started here in turn and spoken to by the openai client,
+streaming.
 
     python scripts/bench_prompt_cache.py --repeats 3 --json out.json
 
@@ -85,8 +86,7 @@ def run_server(name: str, argv: list[str], port: int, model: str, args, out: Pat
     try:
         _ask(client, model, [{"role": "user", "content": "warm up"}], 4)
         for r in range(args.repeats):
-            system = {"role": "system", "content": _system(r + 1000 * (name == "mlx_lm"),
-                                                           args.rules)}  # fmt: skip
+            system = {"role": "system", "content": _system(r + 1000 * args.seed, args.rules)}
             q1 = [system, {"role": "user", "content": "def parse_args(argv):"}]
             t, answer, c = _ask(client, model, q1, args.max_tokens)
             times["cold"].append(t), cached["cold"].append(c)
@@ -119,15 +119,18 @@ def main() -> None:
         ap.error("--repeats, --rules and --max-tokens must be at least 1")
     target, _ = ensure_example()
     load = os.getloadavg()
-    p1, p2 = _free_port(), _free_port()
-    servers = {
-        "ours": ([sys.executable, "-m", "mtpcli", "serve", "--draft-kind", "mtp", "--port",
-                  str(p1)], p1, "example"),
+    p1, p2, p3 = _free_port(), _free_port(), _free_port()
+    ours = [sys.executable, "-m", "mtpcli", "serve", "--port"]
+    servers = {  # MTP forced (the drafter reads every position's hidden state), and classic
+        "ours_mtp": ([*ours, str(p1), "--draft-kind", "mtp"], p1, "example"),
+        "ours_classic": ([*ours, str(p2), "--draft-kind", "none"], p2, "example"),
         "mlx_lm": ([sys.executable, "-m", "mlx_lm.server", "--model", str(target), "--port",
-                    str(p2)], p2, str(target)),
+                    str(p3)], p3, str(target)),
     }  # fmt: skip
-    results = {name: run_server(name, argv, port, model, args, args.logs)
-               for name, (argv, port, model) in servers.items()}  # fmt: skip
+    results = {}
+    for i, (name, (argv, port, model)) in enumerate(servers.items()):
+        args.seed = i  # a system prompt no server has seen
+        results[name] = run_server(name, argv, port, model, args, args.logs)
     import mlx.core as mx
     import mlx_lm
 
@@ -141,9 +144,15 @@ def main() -> None:
                    f"{args.rules} --max-tokens {args.max_tokens}",
     }  # fmt: skip
     for name, s in results.items():
-        print(name + ": " + ", ".join(
-            f"{k} {s[k]['median_s']:.2f} s ({s[k]['min_s']:.2f}-{s[k]['max_s']:.2f})"
-            + (f" {s[k]['vs_cold']:.2f}x cold" if k != "cold" else "") for k in KINDS))
+        print(
+            name
+            + ": "
+            + ", ".join(
+                f"{k} {s[k]['median_s']:.2f} s ({s[k]['min_s']:.2f}-{s[k]['max_s']:.2f})"
+                + (f" {s[k]['vs_cold']:.2f}x cold" if k != "cold" else "")
+                for k in KINDS
+            )
+        )
     if args.json:
         args.json.write_text(json.dumps(record, indent=1) + "\n")
 

@@ -145,3 +145,14 @@ def test_least_recently_used_goes_first_and_the_bytes_stay_bounded():
     cache.put(_snap(A[:16], 2000))  # larger than the whole cache: not kept
     assert cache.bytes == 800 and len(cache.entries) == 2
     assert cache.find(A).length == 32 and cache.stats.hits == 2 and cache.stats.lookups == 2
+
+
+def test_an_mtp_run_that_ends_at_its_first_token_leaves_whole_snapshots(load):
+    """The drafter's parts are taken after the first token is out (it does not wait for the
+    drafter's pass over the prompt); a run that ends there still leaves them."""
+    pair = load(bits=4)
+    cache = PromptCache(1 << 30)
+    assert _run(pair, A, cache, mtp=True, n=1)[1] == 0
+    assert cache.entries and all(s.drafter is not None for s in cache.entries.values())
+    cold = _run(pair, A, None, mtp=True)[0]
+    assert _run(pair, A, cache, mtp=True) == (cold, len(A) - 1)

@@ -251,10 +251,8 @@ def generate_mtp(
         hidden = mx.concatenate([ps.snapshot.hidden, hidden], axis=1)
     pending = int(pick(first_logits(target, hidden), sampling).item())
     unseen = Unseen(ids[max(ps.start, 1) :] + [pending], hidden)
-    caught = unseen.catch_up(drafter, dcache, batch=1)  # the drafter's part of the prompt
-    if caught is not None:
-        mx.eval(caught)
-    ps.drafter_parts(drafter, dcache, hidden)
+    # The drafter's part of the prompt, submitted: the first token need not wait for it.
+    unseen.catch_up(drafter, dcache, batch=1)
     stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
     stats.prompt_cached = ps.start
     start = time.perf_counter()
@@ -275,6 +273,8 @@ def generate_mtp(
                 yield t
                 n += 1
                 stats.emitted(n, start, time.perf_counter())
+            if ps.taken:  # the first token is out: the snapshots get the drafter's parts
+                ps.drafter_parts(drafter, dcache, hidden)
             if n >= max_tokens:
                 return
             context = tokens.shape[1] + n - 1  # all but ``pending`` are in the target's cache
@@ -323,4 +323,6 @@ def generate_mtp(
             if ahead is None:
                 unseen = Unseen(emitted, r.hidden[:, : n_acc + 1])
     finally:
+        if ps.taken:  # decoding ended at the first token
+            ps.drafter_parts(drafter, dcache, hidden)
         stats.finish(start, time.perf_counter(), mx.get_peak_memory())

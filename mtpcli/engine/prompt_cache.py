@@ -54,9 +54,10 @@ class Snapshot:
 
 def _arrays(caches: list) -> list[mx.array]:
     out: list[mx.array] = []
-    for c in caches:  # an attention layer's rows, or a gated-delta layer's (window, state)
-        out += [a for a in ((c.keys, c.values) if isinstance(c, RowsKVCache) else c)
-                if a is not None]  # fmt: skip
+    for c in caches:  # an attention layer's rows, a gated-delta layer's (window, state), or
+        if c is not None:  # None: another pipeline stage's layer
+            out += [a for a in ((c.keys, c.values) if isinstance(c, RowsKVCache) else c)
+                    if a is not None]  # fmt: skip
     return out
 
 

@@ -12,6 +12,7 @@ import mlx.nn as nn
 if TYPE_CHECKING:
     from ..config import ModelConfig
     from ..options import Options
+    from .pipeline import Stage
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Target(Protocol):
 
     config: ModelConfig
     options: Options
+    stage: Stage | None  # this process's part of a pipeline (models/pipeline.py), or None
 
     @property
     def embed_tokens(self) -> nn.Module: ...

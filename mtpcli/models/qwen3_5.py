@@ -10,6 +10,7 @@ each row bitwise the single-position result; ``RowPolicy`` finds that out per op
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from ..options import Options
 from ..weights import load_arrays, load_module_weights, read_inventory
 from . import ForwardOut, GatedDeltaTrace
 from .kv_cache import GraphKV, RowsKVCache, held
+from .pipeline import Stage, hand_on, receive
 from .quantized_layers import FusedProjection, install, linear_add
 from .row_policy import RowPolicy, dense
 
@@ -187,9 +189,12 @@ class Qwen35Target:
     """A loaded Qwen3.5-family target with the surface the engines need."""
 
     def __init__(self, model: nn.Module, config: ModelConfig, options: Options = Options(),
-                 fuse: bool | None = None):  # fmt: skip
+                 fuse: bool | None = None, stage: Stage | None = None):  # fmt: skip
         self.model = model  # mlx-lm's Model: parameters and checkpoint names
         self.config = config
+        # In a pipeline (models/pipeline.py) this process runs ``stage.layers``; the others
+        # are None here, and so are their caches.
+        self.stage = stage
         self.options = options
         self.mode = options.kernels
         # A verify block is waited for as soon as it is built (the round needs its accepted
@@ -222,13 +227,15 @@ class Qwen35Target:
         # MLX's CPU products are row-invariant regardless.
         gpu = kernels.backend() != "cpu"
         moe = qwen3_5.SparseMoeBlock
-        self.routed_on_gpu = [gpu and isinstance(ly.mlp, moe) for ly in self.layers]
+        self.routed_on_gpu = [gpu and ly is not None and isinstance(ly.mlp, moe)
+                              for ly in self.layers]  # fmt: skip
         # Nor are layers with a dense (unquantized) product probed on a GPU: MLX's bf16 matmuls
         # are not row-invariant on CUDA (docs/design.md), yet on small products three probes
         # can pass and a later block differ (docs/supported-models.md). They run position by
         # position in a verify, as decode.
         self.unprobed = [
-            r or (gpu and dense(ly)) for r, ly in zip(self.routed_on_gpu, self.layers, strict=True)
+            r or (gpu and ly is not None and dense(ly))
+            for r, ly in zip(self.routed_on_gpu, self.layers, strict=True)
         ]
         self.head_unprobed = gpu and dense(self._head()[0])
 
@@ -240,6 +247,8 @@ class Qwen35Target:
         launch (kernels/qmm_kernel.py), 192 launches fewer a 27B step."""
         fused_in, fused_mlp = {}, {}
         for i, layer in enumerate(self.layers):
+            if layer is None:
+                continue
             if layer.is_linear:
                 m = layer.linear_attn
                 group = [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]
@@ -265,7 +274,8 @@ class Qwen35Target:
         return self.text.model.embed_tokens
 
     def make_cache(self) -> list:
-        return [ArraysCache(size=2) if layer.is_linear else RowsKVCache() for layer in self.layers]
+        return [None if layer is None else ArraysCache(size=2) if layer.is_linear else RowsKVCache()
+                for layer in self.layers]  # fmt: skip
 
     def lm_head(self, hidden: mx.array, exact: bool = False) -> mx.array:
         """Logits [B, T, V] from final-normed hidden states [B, T, H]; ``exact`` as in a verify."""
@@ -393,11 +403,17 @@ class Qwen35Target:
         compiled = self.functions.begin(T)
         self.policy.probed, self._pass_native = False, True
         h = self.embed_tokens(tokens)  # [B, T, H]
-        kv = next((c for c, ly in zip(cache, self.layers, strict=True) if not ly.is_linear), None)
+        if self.stage is not None:
+            h = receive(self.stage, h)
+        kv = next((c for c, ly in zip(cache, self.layers, strict=True)
+                   if ly is not None and not ly.is_linear), None)  # fmt: skip
         mask = create_attention_mask(h, kv)  # unused where attention goes position by position
         traces: list[GatedDeltaTrace | None] = []
         every = self.submit_every if verify else 0
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
+            if layer is None:  # another stage's
+                traces.append(None)
+                continue
             if layer.is_linear:
                 h, trace = self._linear_layer(i, h, c, verify, compiled)
             else:
@@ -406,9 +422,11 @@ class Qwen35Target:
             if every and (i + 1) % every == 0:
                 mx.async_eval(h)
         self.functions.end(T)
+        if self.stage is not None:
+            h = hand_on(self.stage, h, cache[self.stage.layers[-1]])
         if (
             self.options.graph and compiled and self._pass_native and not self.policy.probed
-            and not any(self.routed_on_gpu)
+            and not any(self.routed_on_gpu) and self.stage is None
         ):  # fmt: skip
             self._graph_ready.add((T, verify))
         return ForwardOut(self.text.model.norm(h), traces if verify else None)
@@ -443,7 +461,8 @@ class Qwen35Target:
 
     def _kv(self, cache: list) -> list[RowsKVCache]:
         """The attention layers' caches (the family has at least one), which hold one length."""
-        return [c for c, ly in zip(cache, self.layers, strict=True) if not ly.is_linear]
+        return [c for c, ly in zip(cache, self.layers, strict=True)
+                if ly is not None and not ly.is_linear]  # fmt: skip
 
     def _forward_arrays(self, tokens: mx.array, length: mx.array, states: list, verify: bool):
         """The decoder over tokens [B, T] on the caches' arrays (traced by ``_graph_forward``):
@@ -541,6 +560,8 @@ def rollback(cache: list, traces: list, n_keep: int | mx.array, block: int,
     if n_keep == block:
         return
     for c, trace in zip(cache, traces, strict=True):
+        if c is None:  # another pipeline stage's layer
+            continue
         if trace is None:
             trim_kv(c, block - n_keep)
         else:
@@ -553,7 +574,7 @@ def rollback_on_device(cache: list, traces: list, n_keep: mx.array, block: int,
     """``rollback`` decided on the device: the attention caches' length becomes the length
     before the block plus ``n_keep``; every gated-delta layer's window and state are picked by
     it (``kernels.pick_kept``: one launch per kind for all layers where the kernels run)."""
-    kv = [c for c, trace in zip(cache, traces, strict=True) if trace is None]
+    kv = [c for c, trace in zip(cache, traces, strict=True) if trace is None and c is not None]
     length = kv[0].length() - block + n_keep
     for c in kv:
         c.keep(length)
@@ -579,7 +600,8 @@ def cache_state(cache: list) -> list[mx.array]:
     states."""
     out = []
     for c in cache:
-        out += [c.keys, c.values] if isinstance(c, KVCache) else list(c.cache)
+        if c is not None:
+            out += [c.keys, c.values] if isinstance(c, KVCache) else list(c.cache)
     return [a for a in out if a is not None]
 
 
@@ -587,7 +609,8 @@ def snapshot(cache: list) -> list:
     """The caches' state now, which later steps leave as it is: each attention layer's rows
     copied (``held``), each gated-delta layer's window and state as they are (a step
     replaces those arrays, never writes into them)."""
-    return [held(c) if isinstance(c, RowsKVCache) else (c[0], c[1]) for c in cache]
+    return [held(c) if isinstance(c, RowsKVCache) else None if c is None else (c[0], c[1])
+            for c in cache]  # fmt: skip
 
 
 def restore(snapshot: list) -> list:
@@ -596,6 +619,8 @@ def restore(snapshot: list) -> list:
     for s in snapshot:
         if isinstance(s, RowsKVCache):
             out.append(held(s))
+        elif s is None:
+            out.append(None)
         else:
             c = ArraysCache(size=2)
             c[0], c[1] = s
@@ -620,8 +645,10 @@ TARGET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
                 "model.norm.weight", ".q_norm.weight", ".k_norm.weight")  # fmt: skip
 
 
-def load_target(model_dir: Path, config: ModelConfig, options: Options = Options()) -> Qwen35Target:
-    """Load a target in any supported layout (mlx-community, flat, raw Hugging Face)."""
+def load_target(model_dir: Path, config: ModelConfig, options: Options = Options(),
+                stage: Stage | None = None) -> Qwen35Target:  # fmt: skip
+    """Load a target in any supported layout (mlx-community, flat, raw Hugging Face); in a
+    pipeline, only the ``stage``'s decoder layers (the others are never read)."""
     model = build_model(config)
     arrays = load_arrays(model_dir)
     norms = {k: v for k, v in arrays.items() if k.endswith(TARGET_NORMS) and v.ndim == 1
@@ -634,5 +661,17 @@ def load_target(model_dir: Path, config: ModelConfig, options: Options = Options
     if raw != any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in arrays.items()):
         raise LayoutError(f"the target {model_dir} mixes conv1d layouts; re-convert it")
     weights = model.sanitize(arrays)
+    if stage is not None:
+        layers = model.language_model.model.layers
+        for i in range(len(layers)):
+            if i not in stage.layers:
+                layers[i] = None
+        weights = {k: v for k, v in weights.items() if _layer(k) in (None, *stage.layers)}
     load_module_weights(model, weights, config.quantization, str(model_dir))
-    return Qwen35Target(model, config, options)
+    return Qwen35Target(model, config, options, stage=stage)
+
+
+def _layer(key: str) -> int | None:
+    """The decoder layer a (sanitized) weight name belongs to, if any."""
+    m = re.match(r"language_model\.model\.layers\.(\d+)\.", key)
+    return int(m.group(1)) if m else None

@@ -1,0 +1,122 @@
+"""A target split over processes that ``mlx.launch`` starts (the ring backend on 127.0.0.1):
+each rank runs its part of the decoder layers, and the tokens are the single process's, classic
+and MTP, dense and MoE, bf16 and 4-bit, over prompts of several chunks.
+
+The expected tokens come from ``mtp generate --json`` in this process, unsplit."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtpcli.cli import run
+from mtpcli.errors import PipelineError
+from mtpcli.models.pipeline import split
+
+BIN = Path(sys.executable).parent
+LONG = "def parse_args(argv):\n" + "    return argv  # keep the parser small\n" * 70  # > 2 chunks
+
+
+def test_split_gives_rank_0_the_last_layers_and_the_low_ranks_one_more():
+    assert split(4, 1) == [range(0, 4)]
+    assert split(4, 2) == [range(2, 4), range(0, 2)]
+    assert split(4, 3) == [range(2, 4), range(1, 2), range(0, 1)]
+    assert split(64, 3) == [range(42, 64), range(21, 42), range(0, 21)]
+    with pytest.raises(PipelineError, match="5 processes cannot split the target's 4"):
+        split(4, 5)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(n: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """``mtp`` under ``mlx.launch -n N`` (its own -n and -p are mlx.launch's: long flags)."""
+    argv = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", str(n), "--starting-port",
+            str(_port()), "--python", sys.executable, str(BIN / "mtp"), *args]  # fmt: skip
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def _alone(args: list[str]) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert run(args) == 0
+    return json.loads(out.getvalue())
+
+
+def _ranks(proc: subprocess.CompletedProcess) -> list[dict]:
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize(
+    ("n", "kind", "prompt"),
+    [(2, "none", LONG), (2, "mtp", LONG), (3, "mtp", "def parse_args(argv):")],
+    ids=["2-classic-long", "2-mtp-long", "3-mtp"],
+)
+def test_ranks_give_the_single_process_tokens(n, kind, prompt):
+    args = ["generate", "--prompt", prompt, "--max-tokens", "24", "--json", "--draft-kind", kind]
+    want = _alone(args)
+    proc = _launch(n, args)
+    got = _ranks(proc)
+    assert len(got) == 1, proc.stdout + proc.stderr  # rank 0 alone prints
+    assert got[0]["tokens"] == want["tokens"] and got[0]["text"] == want["text"]
+    assert got[0]["mtp_engaged"] == (kind == "mtp")
+    if kind == "mtp":
+        assert got[0]["stats"]["rounds"] > 0
+    assert want["stats"]["prompt_tokens"] > 2 * 512 or prompt != LONG  # chunks and cuts
+
+
+@pytest.mark.parametrize(("moe", "bits"), [(True, 4), (False, None)], ids=["moe-4bit", "bf16"])
+def test_ranks_give_the_single_process_tokens_for_other_checkpoints(ckpts, moe, bits):
+    t, d = ckpts.target(moe=moe, bits=bits), ckpts.drafter(moe=moe)
+    args = ["generate", "-m", str(t), "--draft-model", str(d), "--prompt", "def main():",
+            "--max-tokens", "20", "--json", "--draft-kind", "mtp"]  # fmt: skip
+    want = _alone(args)
+    got = _ranks(_launch(2, args))
+    assert [g["tokens"] for g in got] == [want["tokens"]]
+
+
+def test_more_ranks_than_layers_is_a_named_error_on_every_rank():
+    proc = _launch(5, ["generate", "--prompt", "x", "--max-tokens", "4"], timeout=120)
+    errors = [line for line in proc.stderr.splitlines()
+              if "5 processes cannot split the target's 4 decoder layers" in line]  # fmt: skip
+    assert errors and "Traceback" not in proc.stderr
+    assert "exited with code 1" in proc.stdout + proc.stderr
+
+
+def test_serve_and_bench_refuse_to_run_split():
+    proc = _launch(2, ["serve", "--port", str(_port())], timeout=120)
+    assert proc.stderr.count("mtp serve runs in one process") == 2, proc.stderr
+
+
+def _mutant(how: str, args: list[str]) -> subprocess.CompletedProcess:
+    argv = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", "2", "--starting-port",
+            str(_port()), "--python", sys.executable,
+            str(Path(__file__).with_name("pipeline_mutant.py")), how, *args]  # fmt: skip
+    return subprocess.run(argv, capture_output=True, text=True, timeout=240)
+
+
+def test_a_split_that_drops_a_layer_changes_the_tokens():
+    """Mutation: the comparison above can fail (a split that skips layer 1)."""
+    args = ["generate", "--prompt", "def parse_args(argv):", "--max-tokens", "24", "--json",
+            "--draft-kind", "mtp"]  # fmt: skip
+    want = _alone(args)
+    got = _ranks(_mutant("drop-layer", args))
+    assert len(got) == 1 and got[0]["tokens"] != want["tokens"]
+
+
+def test_a_rank_that_dies_stops_the_other_with_a_named_error():
+    proc = _mutant("die", ["generate", "--prompt", "def f():", "--max-tokens", "64"])
+    out = proc.stdout + proc.stderr
+    assert "exited with code 3" in out and "Traceback" not in out
+    assert "error: another process of the pipeline ended" in out or \
+        "error: the pipeline lost a process" in out  # fmt: skip
