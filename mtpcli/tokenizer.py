@@ -48,10 +48,14 @@ def encode_prompt(
         _check_utf8(what, text)
     if ignore_template or not getattr(tokenizer, "chat_template", None):
         return tokenizer.encode(prompt)
-    messages = ([{"role": "system", "content": system}] if system else []) + [
+    return encode_messages(tokenizer, prompt_messages(prompt, system))
+
+
+def prompt_messages(prompt: str, system: str | None = None) -> list[dict[str, str]]:
+    """The conversation ``encode_prompt`` puts through the chat template."""
+    return ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": prompt}
     ]
-    return encode_messages(tokenizer, messages)
 
 
 def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:

@@ -53,9 +53,9 @@ def _start(argv: list[str], port: int, log: Path) -> subprocess.Popen:
     sys.exit(f"the server did not come up: {log.read_text()[-2000:]}")
 
 
-def _ask(client, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int]:
-    """(seconds to the first text, the whole text, cached prompt tokens where reported)."""
-    t0, first, text, cached = time.perf_counter(), None, [], -1
+def _ask(client, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str, list]:
+    """(seconds to the first text, the whole text, [prompt tokens, cached prompt tokens])."""
+    t0, first, text, cached = time.perf_counter(), None, [], [-1, -1]
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True},
@@ -64,15 +64,16 @@ def _ask(client, model: str, messages: list[dict], max_tokens: int) -> tuple[flo
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.perf_counter() - t0
             text.append(chunk.choices[0].delta.content)
-        details = chunk.usage and chunk.usage.prompt_tokens_details
-        if details and details.cached_tokens is not None:
-            cached = details.cached_tokens
+        if chunk.usage:
+            details = chunk.usage.prompt_tokens_details
+            cached = [chunk.usage.prompt_tokens, details.cached_tokens if details else -1]
     return first if first is not None else float("nan"), "".join(text), cached
 
 
 def _system(r: int, rules: int) -> str:
-    return f"Project {r}. " + " ".join(
-        f"Rule {r}.{i}: keep the parser small and its errors plain." for i in range(rules)
+    """A system prompt no server has seen (``r`` differs), of the same length for every r."""
+    return f"Project {r:04d}. " + " ".join(
+        f"Rule {i}: keep the parser small and its errors plain." for i in range(rules)
     )
 
 
@@ -82,7 +83,7 @@ def run_server(name: str, argv: list[str], port: int, model: str, args, out: Pat
     proc = _start(argv, port, out / f"{name}.log")
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=600)
     times: dict[str, list[float]] = {k: [] for k in KINDS}
-    cached: dict[str, list[int]] = {k: [] for k in KINDS}
+    cached: dict[str, list] = {k: [] for k in KINDS}
     try:
         _ask(client, model, [{"role": "user", "content": "warm up"}], 4)
         for r in range(args.repeats):
@@ -101,7 +102,7 @@ def run_server(name: str, argv: list[str], port: int, model: str, args, out: Pat
         proc.terminate()
         proc.wait(timeout=30)
     summary = {k: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": v,
-                   "cached_tokens": cached[k]} for k, v in times.items()}  # fmt: skip
+                   "prompt_and_cached_tokens": cached[k]} for k, v in times.items()}  # fmt: skip
     for k in KINDS[1:]:
         summary[k]["vs_cold"] = summary[k]["median_s"] / summary["cold"]["median_s"]
     return summary

@@ -16,7 +16,7 @@ from mtpcli.generation import generate
 from mtpcli.models import qwen3_5 as tm
 
 CHUNK = 16
-SYSTEM = [(i * 37 + 11) % 250 + 3 for i in range(40)]  # a shared prefix: cut at 32
+SYSTEM = [(i * 37 + 11) % 250 + 3 for i in range(40)]  # a shared prefix, a message of 40
 A = SYSTEM + [(i * 13) % 250 + 3 for i in range(9)]  # 49 tokens: cuts 16, 32, 48
 B = SYSTEM + [(i * 29) % 250 + 3 for i in range(6)]  # 46 tokens
 
@@ -38,15 +38,16 @@ def _run(pair, ids, cache, *, mtp=False, boundaries=(), n=16, **kw):
 def test_resumed_prompts_give_the_tokens_of_a_cold_start(load, mtp, moe, bits):
     pair = load(moe=moe, bits=bits)
     cache = PromptCache(1 << 30)
-    cold = {name: _run(pair, ids, None, mtp=mtp)[0] for name, ids in (("a", A), ("b", B))}
+    cold = {name: _run(pair, ids, None, mtp=mtp, boundaries=[40])[0]
+            for name, ids in (("a", A), ("b", B))}  # fmt: skip
     nxt = A + cold["a"] + [7, 8, 9]  # the next turn: the answer and a new message
     cold["next"] = _run(pair, nxt, None, mtp=mtp)[0]
 
     assert _run(pair, A, cache, mtp=mtp, boundaries=[40]) == (cold["a"], 0)
-    # the shared prefix: the snapshot at the cut before the boundary (40 -> 32)
-    assert _run(pair, B, cache, mtp=mtp, boundaries=[40]) == (cold["b"], 32)
+    # the shared prefix: the snapshot where the shared message ends
+    assert _run(pair, B, cache, mtp=mtp, boundaries=[40]) == (cold["b"], 40)
     # the same prompt again: its last position but one
-    assert _run(pair, A, cache, mtp=mtp) == (cold["a"], len(A) - 1)
+    assert _run(pair, A, cache, mtp=mtp, boundaries=[40]) == (cold["a"], len(A) - 1)
     # the next turn: the last multiple of the chunk in the earlier prompt
     assert _run(pair, nxt, cache, mtp=mtp) == (cold["next"], 48)
 
@@ -74,8 +75,8 @@ def test_a_snapshot_that_loses_the_recurrent_state_is_caught(load, monkeypatch):
     monkeypatch.setattr(tm, "snapshot", without_state)
     cache = PromptCache(1 << 30)
     _run(pair, A, cache, boundaries=[40])
-    warm, cached = _run(pair, B, cache)
-    assert cached == 32 and warm != cold
+    warm, cached = _run(pair, B, cache, boundaries=[40])
+    assert cached == 40 and warm != cold
 
 
 def test_a_snapshot_of_the_wrong_length_is_caught(load, monkeypatch):
@@ -122,16 +123,17 @@ def test_a_snapshot_serves_prompts_that_have_a_cut_where_it_ends():
     assert not s32.serves([1] + A[1:])  # another first token
     assert s45.serves(A[:46]) and s45.serves(A[:45] + [1])  # the prompt's last but one
     assert not s45.serves(A)  # 45 is no cut of a 49-token prompt
+    assert s45.serves(A, boundaries=[45])  # unless one of its messages ends there
 
 
 def test_cuts_to_keep_are_cuts_of_every_prompt_that_shares_them():
     cache = PromptCache(1 << 20)
     assert cache.cuts_to_keep(A) == {48}
-    assert cache.cuts_to_keep(A, boundaries=[40, 5]) == {32, 48}
-    assert cache.cuts_to_keep(A, boundaries=[40], start=32) == {48}
-    cache.put(_snap(A[:32], 4))
+    assert cache.cuts_to_keep(A, boundaries=[40, 5, 60]) == {5, 40, 48}  # 60: past the end
+    assert cache.cuts_to_keep(A, boundaries=[40], start=40) == {48}
+    cache.put(_snap(A[:40], 4))
     assert cache.cuts_to_keep(A, boundaries=[40]) == {48}
-    assert cache.cuts_to_keep(A, boundaries=[40], drafter=True) == {32, 48}
+    assert cache.cuts_to_keep(A, boundaries=[40], drafter=True) == {40, 48}
 
 
 def test_least_recently_used_goes_first_and_the_bytes_stay_bounded():
@@ -156,3 +158,19 @@ def test_an_mtp_run_that_ends_at_its_first_token_leaves_whole_snapshots(load):
     assert cache.entries and all(s.drafter is not None for s in cache.entries.values())
     cold = _run(pair, A, None, mtp=True)[0]
     assert _run(pair, A, cache, mtp=True) == (cold, len(A) - 1)
+
+
+def test_prefill_stops_at_the_chunks_the_messages_and_before_the_last_token(load, monkeypatch):
+    target = load(bits=4).target
+    seen = []
+    forward = type(target).forward
+
+    def spy(self, tokens, cache, **kw):
+        seen.append(tokens.shape[1])
+        return forward(self, tokens, cache, **kw)
+
+    monkeypatch.setattr(type(target), "forward", spy)
+    cuts = []
+    target.prefill(mx.array([A]), target.make_cache(), every_position=False,
+                   on_cut=cuts.append, cuts=(20, 40))  # fmt: skip
+    assert seen == [16, 4, 12, 8, 8, 1] and cuts == [16, 20, 32, 40, 48]

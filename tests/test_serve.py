@@ -360,9 +360,8 @@ def test_a_signal_ends_streams_answers_the_queue_and_exits(tmp_path, sig, code):
 
 
 def test_a_shared_system_prompt_is_processed_once_and_answers_stay_exact(server):
-    """The second request with the same long system prompt resumes from the snapshot at the
-    last chunk boundary (512) before the system message's end; both answers are the cold
-    ``mtp generate`` answers."""
+    """The second request with the same long system prompt resumes from the snapshot where
+    the system message ends; both answers are the cold ``mtp generate`` answers."""
     import contextlib
     import io
 
@@ -383,7 +382,9 @@ def test_a_shared_system_prompt_is_processed_once_and_answers_stay_exact(server)
         )  # fmt: skip
         assert r.choices[0].message.content == ref["text"]
         assert r.usage.prompt_tokens == ref["stats"]["prompt_tokens"]
-        assert r.usage.prompt_tokens_details.cached_tokens == (0 if i == 0 else 512)
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        # the second: all but the user's turn (the template's few tokens and the prompt)
+        assert cached == 0 if i == 0 else 512 < cached < ref["stats"]["prompt_tokens"] - 5
     after = httpx.get(f"{server}/health").json()["prompt_cache"]
-    assert after["hits"] == health["hits"] + 1 and after["tokens_reused"] >= 512
+    assert after["hits"] == health["hits"] + 1 and after["tokens_reused"] > 512
     assert 0 < after["bytes"] <= after["max_bytes"] == 2 << 30

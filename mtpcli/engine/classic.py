@@ -64,6 +64,7 @@ def generate_classic(
         every_position=False,
         start=ps.start,
         on_cut=lambda p: ps.cut(target, cache, p),
+        cuts=ps.boundaries,
     )  # [1, 1, H]
     y, lse = pick_checked(first_logits(target, hidden), sampling)
     seen = readback(y, lse)  # [2]: the token and its logsumexp

@@ -244,9 +244,10 @@ def generate_mtp(
         tcache, dcache = target.make_cache(), drafter.make_cache()
     else:
         tcache, dcache = target.restore(ps.snapshot.target), drafter.restore(ps.snapshot.drafter)
-    hidden = target.prefill(
-        tokens, tcache, on_prefill, start=ps.start, on_cut=lambda p: ps.cut(target, tcache, p)
-    )  # [1, L - start, H]
+    hidden = target.prefill(tokens, tcache, on_prefill, start=ps.start,
+                            on_cut=lambda p: ps.cut(target, tcache, p),
+                            cuts=ps.boundaries)  # fmt: skip
+    # [1, L - start, H]
     if ps.snapshot is not None:  # the drafter reads on from the snapshot's last position
         hidden = mx.concatenate([ps.snapshot.hidden, hidden], axis=1)
     pending = int(pick(first_logits(target, hidden), sampling).item())

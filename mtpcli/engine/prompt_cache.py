@@ -46,10 +46,11 @@ class Snapshot:
         return sum(a.nbytes for a in arrays) + (self.hidden.nbytes if self.hidden is not None
                                                  else 0)  # fmt: skip
 
-    def serves(self, ids: Sequence[int]) -> bool:
-        """Whether a prompt ``ids`` may resume from here: it starts with these tokens and,
-        processed whole, would have a cut here."""
-        return is_cut(self.length, len(ids)) and tuple(ids[: self.length]) == self.tokens
+    def serves(self, ids: Sequence[int], boundaries: Collection[int] = ()) -> bool:
+        """Whether a prompt ``ids`` (its messages ending at ``boundaries``) may resume from
+        here: it starts with these tokens and, processed whole, would have a cut here."""
+        return is_cut(self.length, len(ids), boundaries) and \
+            tuple(ids[: self.length]) == self.tokens  # fmt: skip
 
 
 def _arrays(caches: list) -> list[mx.array]:
@@ -78,12 +79,14 @@ class PromptCache:
         self.bytes = 0
         self.stats = PromptCacheStats()
 
-    def find(self, ids: Sequence[int], drafter: bool = False) -> Snapshot | None:
-        """The longest snapshot ``ids`` may resume from (with a drafter part, if asked)."""
+    def find(self, ids: Sequence[int], drafter: bool = False,
+             boundaries: Collection[int] = ()) -> Snapshot | None:  # fmt: skip
+        """The longest snapshot ``ids`` (its messages ending at ``boundaries``) may resume
+        from (with a drafter part, if asked)."""
         self.stats.lookups += 1
         best = None
         for snap in self.entries.values():
-            if (not drafter or snap.drafter is not None) and snap.serves(ids) and \
+            if (not drafter or snap.drafter is not None) and snap.serves(ids, boundaries) and \
                     (best is None or snap.length > best.length):  # fmt: skip
                 best = snap
         if best is not None:
@@ -94,13 +97,12 @@ class PromptCache:
 
     def cuts_to_keep(self, ids: Sequence[int], boundaries: Collection[int] = (),
                      start: int = 0, drafter: bool = False) -> set[int]:  # fmt: skip
-        """Where to snapshot a prompt ``ids`` resumed at ``start``: the last cut at or before
-        each boundary (say, where a message ends: a later prompt may share up to there), the
-        last multiple of the chunk before its end, and its last position but one; not where
-        a snapshot is kept already (with a drafter part, if ``drafter``)."""
+        """Where to snapshot a prompt ``ids`` resumed at ``start``: where its messages end
+        (``boundaries``: a later prompt may share up to there), the last multiple of the chunk
+        before its end, and its last position but one; not where a snapshot is kept already
+        (with a drafter part, if ``drafter``)."""
         last = len(ids) - 1
-        cuts = {cut_at_or_before(b) for b in (*boundaries, last) if 0 < b <= last}
-        cuts.add(last)
+        cuts = {b for b in boundaries if 0 < b <= last} | {cut_at_or_before(last), last}
 
         def kept(p: int) -> bool:
             snap = self.entries.get(tuple(ids[:p]))
@@ -137,7 +139,8 @@ class PromptStart:
     def __init__(self, cache: PromptCache | None, ids: Sequence[int],
                  boundaries: Collection[int] = (), mtp: bool = False) -> None:  # fmt: skip
         self.cache, self.ids, self.mtp = cache, tuple(ids), mtp
-        self.snapshot = cache.find(ids, drafter=mtp) if cache is not None else None
+        self.boundaries = tuple(boundaries)
+        self.snapshot = cache.find(ids, mtp, boundaries) if cache is not None else None
         self.start = self.snapshot.length if self.snapshot is not None else 0
         self.cuts = cache.cuts_to_keep(ids, boundaries, self.start, mtp) if cache else set()
         self.taken: list[Snapshot] = []  # MTP: the target's parts, until the drafter's

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -49,12 +49,14 @@ class Target(Protocol):
     def prefill(self, tokens: mx.array, cache: list,
                 progress: Callable[[int, int], None] | None = None,
                 every_position: bool = True, start: int = 0,
-                on_cut: Callable[[int], None] | None = None) -> mx.array:  # fmt: skip
+                on_cut: Callable[[int], None] | None = None,
+                cuts: Collection[int] = ()) -> mx.array:  # fmt: skip
         """A prompt [B, L] into ``cache``, which holds its first ``start`` positions already
         (0, or a cut); the final-normed hidden states of the rest [B, L - start, H] (with
         ``every_position`` False the last position's, [B, 1, H]); ``on_cut(p)`` at each cut
         (the positions where any prompt's processing stops between chunks: the cache there
-        is the same whatever follows); ``progress(done, total)`` after each part of it."""
+        is the same whatever follows), among them ``cuts`` (where its messages end);
+        ``progress(done, total)`` after each part of it."""
         ...
 
     def snapshot(self, cache: list) -> list:

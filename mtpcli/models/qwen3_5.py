@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import mlx.core as mx
@@ -42,10 +42,11 @@ from .row_policy import RowPolicy, dense
 PREFILL_CHUNK = 512
 
 
-def is_cut(p: int, length: int) -> bool:
+def is_cut(p: int, length: int, cuts: Collection[int] = ()) -> bool:
     """Whether processing a prompt of ``length`` tokens stops between chunks after its first
-    ``p`` (``Qwen35Target.prefill``): at the multiples of the chunk, and before the last."""
-    return 0 < p <= length - 1 and (p % PREFILL_CHUNK == 0 or p == length - 1)
+    ``p`` (``Qwen35Target.prefill``): at the multiples of the chunk, at the prompt's own
+    ``cuts`` (where its messages end), and before the last."""
+    return 0 < p <= length - 1 and (p % PREFILL_CHUNK == 0 or p == length - 1 or p in cuts)
 
 
 def cut_at_or_before(p: int) -> int:
@@ -496,23 +497,25 @@ class Qwen35Target:
     def prefill(self, tokens: mx.array, cache: list,
                 progress: Callable[[int, int], None] | None = None,
                 every_position: bool = True, start: int = 0,
-                on_cut: Callable[[int], None] | None = None) -> mx.array:  # fmt: skip
+                on_cut: Callable[[int], None] | None = None,
+                cuts: Collection[int] = ()) -> mx.array:  # fmt: skip
         """Process a prompt [B, L]: all but its last token in chunks, the last as a decode step
         (as mlx-lm does; both engines call this, so their prompts match bitwise). Returns the
         final-normed hidden states of positions ``start``..L-1 [B, L - start, H], or with
         ``every_position`` False the last position's [B, 1, H]: the chunks then evaluate the
         caches alone, and their last layer's work past its cache is never done.
 
-        Chunks end at the multiples of ``PREFILL_CHUNK`` and at L - 1 (the cuts), counted from
-        the prompt's first token, so a prompt resumed at a cut (``start`` positions already in
-        ``cache``, from a prompt-cache snapshot) computes every later position exactly as a
-        prompt processed whole. ``on_cut(p)`` is told of each cut p once the cache holds p
-        positions; ``progress(done, total)`` of each part."""
+        Chunks end at the multiples of ``PREFILL_CHUNK``, at the prompt's own ``cuts`` (where
+        its messages end) and at L - 1 (the cuts, counted from the prompt's first token), so a
+        prompt resumed at a cut (``start`` positions already in ``cache``, from a prompt-cache
+        snapshot) computes every later position exactly as the prompt processed whole.
+        ``on_cut(p)`` is told of each cut p once the cache holds p positions;
+        ``progress(done, total)`` of each part."""
         L, hidden = tokens.shape[1], []
         assert 0 <= start < L, "a resumed prompt has a token left to process"
         pos = start
         while pos < L - 1:
-            end = min(cut_at_or_before(pos) + PREFILL_CHUNK, L - 1)
+            end = min(cut_at_or_before(pos) + PREFILL_CHUNK, L - 1, *(c for c in cuts if c > pos))
             out = self.forward(tokens[:, pos:end], cache)
             kept = [out.hidden] if every_position else []
             mx.eval(*kept, *cache_state(cache))
