@@ -58,12 +58,14 @@ def _ranks(proc: subprocess.CompletedProcess) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    ("n", "kind", "prompt"),
-    [(2, "none", LONG), (2, "mtp", LONG), (3, "mtp", "def parse_args(argv):")],
-    ids=["2-classic-long", "2-mtp-long", "3-mtp"],
-)
-def test_ranks_give_the_single_process_tokens(n, kind, prompt):
-    args = ["generate", "--prompt", prompt, "--max-tokens", "24", "--json", "--draft-kind", kind]
+    ("n", "kind", "prompt", "sampling"),
+    [(2, "none", LONG, []), (2, "mtp", LONG, []), (3, "mtp", "def parse_args(argv):", []),
+     (2, "mtp", "def main():", ["--temp", "0.8", "--seed", "3"])],
+    ids=["2-classic-long", "2-mtp-long", "3-mtp", "2-mtp-sampled"],
+)  # fmt: skip
+def test_ranks_give_the_single_process_tokens(n, kind, prompt, sampling):
+    args = ["generate", "--prompt", prompt, "--max-tokens", "24", "--json", "--draft-kind", kind,
+            *sampling]  # fmt: skip
     want = _alone(args)
     proc = _launch(n, args)
     got = _ranks(proc)

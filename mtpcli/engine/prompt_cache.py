@@ -4,11 +4,11 @@ same request again) skips processing them, with the tokens of a cold start.
 
 A gated-delta layer's state cannot be cut back to an earlier position as a KV cache can, so
 the state is kept whole, as snapshots taken while a prompt is processed, and only at its cuts
-(``Target.prefill``): the multiples of the prefill chunk and the prompt's last position but
-one. A snapshot at a multiple serves every later prompt that starts with its tokens; one at
-L - 1 serves prompts of L tokens that start with them (the same prompt, or another last
-token). Either way the positions after it are computed as a cold prompt computes them, on
-every backend: exact by construction, not by a row-invariance that only some backends give.
+(``Target.prefill``): the multiples of the prefill chunk, where its messages end, and its last
+position but one. A snapshot serves a later prompt that starts with its tokens and has a cut
+there too (a multiple of the chunk, the end of one of its messages, or its own last position
+but one), so the positions after it are computed as the prompt processed whole computes them,
+on every backend: exact by construction, not by a row-invariance that only some backends give.
 """
 
 from __future__ import annotations
