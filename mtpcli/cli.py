@@ -290,8 +290,11 @@ def generate(
     sampling = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     loaded = _load(model, draft_model, draft_kind, draft_block_size, draft_quantize,
                    Options(kernels=kernels, qmm=qmm))  # fmt: skip
-    text = _read_prompt(prompt)
     stage = loaded.target.stage
+    if stage is not None and (prompt is None or prompt == "-"):
+        raise PipelineError("under mlx.launch the prompt comes with --prompt: standard input "
+                            "reaches every process and is never closed")  # fmt: skip
+    text = _read_prompt(prompt)
     if stage is not None:  # mlx.launch ends every process once one has ended
         signal.signal(signal.SIGTERM, _pipeline_ended)
     if stage is not None and stage.rank != 0:  # in a pipeline, rank 0 speaks for all

@@ -19,7 +19,7 @@ from .errors import UsageError
 from .loading import Loaded
 from .models.pipeline import shared_seed
 from .stats import GenerationStats
-from .tokenizer import encode_prompt, message_ends, prompt_messages
+from .tokenizer import encode_with_ends
 
 
 @dataclass
@@ -166,11 +166,8 @@ def generate(
                          "draft kind none)", param="force_mtp")  # fmt: skip
     tokenizer, target = pair.tokenizer, pair.target
     if isinstance(prompt, str):
-        ids = encode_prompt(tokenizer, prompt, system_prompt, not chat_template)
-        if system_prompt and chat_template and not boundaries and \
-                getattr(tokenizer, "chat_template", None):  # fmt: skip
-            # where the system message ends, as the server finds it in the same conversation
-            boundaries = message_ends(tokenizer, prompt_messages(prompt, system_prompt), ids)
+        ids, ends = encode_with_ends(tokenizer, prompt, system_prompt, not chat_template)
+        boundaries = boundaries or ends
     else:
         ids = list(prompt)
     eos = set(tokenizer.eos_token_ids) | set(target.config.eos_token_ids)

@@ -75,19 +75,33 @@ def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def message_ends(tokenizer, messages: list[dict[str, str]], ids: list[int],
-                 last: int = 4) -> list[int]:  # fmt: skip
-    """Where in a conversation's ``ids`` its first message and its ``last`` messages before the
-    final one end: the tokens that the conversation cut after that message shares with it
-    (a later request with the same system prompt, or the next turn, starts the same way)."""
-    n = len(messages)
+def message_ends(tokenizer, messages: list[dict[str, str]], ids: list[int]) -> list[int]:
+    """Where in a conversation's ``ids`` each message before the last ends: the tokens it
+    shares with the conversation cut after that message and followed by an empty user turn
+    (a later request with the same system prompt, or the next turn, starts the same way; a
+    template may refuse a conversation without a user turn, hence the empty one). A prefix
+    the template refuses gives no boundary."""
     out = []
-    for i in sorted({1, *range(max(n - last, 1), n)} - {n}):
-        head = encode_messages(tokenizer, messages[:i])
+    for i in range(1, len(messages)):
+        try:
+            head = encode_messages(tokenizer, [*messages[:i], {"role": "user", "content": ""}])
+        except PromptError:
+            continue
         shared = next((j for j, (a, b) in enumerate(zip(head, ids, strict=False)) if a != b),
                       min(len(head), len(ids)))  # fmt: skip
-        out.append(shared)
+        if shared not in out:
+            out.append(shared)
     return out
+
+
+def encode_with_ends(tokenizer, prompt: str, system: str | None = None,
+                     ignore_template: bool = False) -> tuple[list[int], list[int]]:  # fmt: skip
+    """``encode_prompt``'s ids and, through a chat template with a system prompt, where the
+    system message ends (as the server finds it in the same conversation)."""
+    ids = encode_prompt(tokenizer, prompt, system, ignore_template)
+    if not system or ignore_template or not getattr(tokenizer, "chat_template", None):
+        return ids, []
+    return ids, message_ends(tokenizer, prompt_messages(prompt, system), ids)
 
 
 def _check_utf8(what: str, text: str) -> None:

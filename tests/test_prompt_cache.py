@@ -41,7 +41,7 @@ def test_resumed_prompts_give_the_tokens_of_a_cold_start(load, mtp, moe, bits):
     cold = {name: _run(pair, ids, None, mtp=mtp, boundaries=[40])[0]
             for name, ids in (("a", A), ("b", B))}  # fmt: skip
     nxt = A + cold["a"] + [7, 8, 9]  # the next turn: the answer and a new message
-    cold["next"] = _run(pair, nxt, None, mtp=mtp)[0]
+    cold["next"] = _run(pair, nxt, None, mtp=mtp, boundaries=[40])[0]
 
     assert _run(pair, A, cache, mtp=mtp, boundaries=[40]) == (cold["a"], 0)
     # the shared prefix: the snapshot where the shared message ends
@@ -49,7 +49,9 @@ def test_resumed_prompts_give_the_tokens_of_a_cold_start(load, mtp, moe, bits):
     # the same prompt again: its last position but one
     assert _run(pair, A, cache, mtp=mtp, boundaries=[40]) == (cold["a"], len(A) - 1)
     # the next turn: the last multiple of the chunk in the earlier prompt
-    assert _run(pair, nxt, cache, mtp=mtp) == (cold["next"], 48)
+    assert _run(pair, nxt, cache, mtp=mtp, boundaries=[40]) == (cold["next"], 48)
+    # nowhere the chunks before differ: without a cut at 40 no snapshot here serves it
+    assert _run(pair, nxt, cache, mtp=mtp) == (cold["next"], 0)
 
 
 def test_seeded_sampling_is_reproduced_from_a_snapshot(load):
@@ -124,6 +126,9 @@ def test_a_snapshot_serves_prompts_that_have_a_cut_where_it_ends():
     assert s45.serves(A[:46]) and s45.serves(A[:45] + [1])  # the prompt's last but one
     assert not s45.serves(A)  # 45 is no cut of a 49-token prompt
     assert s45.serves(A, boundaries=[45])  # unless one of its messages ends there
+    assert not s45.serves(A, boundaries=[20, 45])  # made without a cut at 20
+    s45_20 = Snapshot(tuple(A[:45]), [], below=(20,))
+    assert s45_20.serves(A, boundaries=[20, 45]) and not s45_20.serves(A, boundaries=[45])
 
 
 def test_cuts_to_keep_are_cuts_of_every_prompt_that_shares_them():
@@ -174,3 +179,43 @@ def test_prefill_stops_at_the_chunks_the_messages_and_before_the_last_token(load
     target.prefill(mx.array([A]), target.make_cache(), every_position=False,
                    on_cut=cuts.append, cuts=(20, 40))  # fmt: skip
     assert seen == [16, 4, 12, 8, 8, 1] and cuts == [16, 20, 32, 40, 48]
+
+
+def test_message_ends_survive_a_template_that_wants_a_user_turn():
+    """Qwen's templates refuse a conversation without a user message: each message's end is
+    found with an empty user turn after it."""
+    from mtpcli.errors import PromptError
+    from mtpcli.tokenizer import message_ends
+
+    class Chat:  # one token a character; refuses what has no user message
+        chat_template = "yes"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            if not any(m["role"] == "user" for m in messages):
+                raise ValueError("No user query found in messages.")
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    chat = [
+        {"role": "system", "content": "abc"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "more"},
+    ]
+    ids = Chat().encode(Chat().apply_chat_template(chat, False, True))
+    assert message_ends(Chat(), chat, ids) == [
+        len("<system>abc<user>"),
+        len("<system>abc<user>hi<"),
+        len("<system>abc<user>hi<assistant>yo<user>"),
+    ]
+
+    class Refuses(Chat):
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            raise ValueError("broken template")
+
+    try:
+        message_ends(Refuses(), chat, ids)
+    except PromptError:
+        raise AssertionError("a template that fails gives no boundary, not an error") from None

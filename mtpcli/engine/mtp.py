@@ -229,7 +229,7 @@ def generate_mtp(
     ``build_ahead`` False reads every round before the next is built (to measure what building
     ahead gains). With a ``prompt_cache`` the prompt resumes from its longest snapshot there
     (one an MTP run left: it holds the drafter's part) and leaves its own (at ``boundaries``
-    too).
+    too); at temperature 0 only.
     """
     check_block_size(block_size)
     stats = stats if stats is not None else GenerationStats()
@@ -239,7 +239,9 @@ def generate_mtp(
     check_room(target, tokens.shape[1], max_tokens)
     start = time.perf_counter()
     ids = tokens[0].tolist()
-    ps = PromptStart(prompt_cache, ids, boundaries, mtp=True)
+    # Sampled drafts depend on the drafter's rows, which a resumed catch-up computes in other
+    # chunks than a cold one (bitwise alike on the CPU, not promised on a GPU): greedy only.
+    ps = PromptStart(prompt_cache if sampling.greedy else None, ids, boundaries, mtp=True)
     if ps.snapshot is None:
         tcache, dcache = target.make_cache(), drafter.make_cache()
     else:

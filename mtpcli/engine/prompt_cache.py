@@ -33,6 +33,7 @@ class Snapshot:
 
     tokens: tuple[int, ...]
     target: list
+    below: tuple[int, ...] = ()  # the message-end cuts before it: the chunks that made it
     drafter: list | None = None
     hidden: mx.array | None = None
 
@@ -48,9 +49,15 @@ class Snapshot:
 
     def serves(self, ids: Sequence[int], boundaries: Collection[int] = ()) -> bool:
         """Whether a prompt ``ids`` (its messages ending at ``boundaries``) may resume from
-        here: it starts with these tokens and, processed whole, would have a cut here."""
-        return is_cut(self.length, len(ids), boundaries) and \
-            tuple(ids[: self.length]) == self.tokens  # fmt: skip
+        here: it starts with these tokens and, processed whole, would cut here and at the
+        same places before (so its chunks up to here are the ones that made this state)."""
+        p = self.length
+        return is_cut(p, len(ids), boundaries) and _below(boundaries, p) == self.below and \
+            tuple(ids[:p]) == self.tokens  # fmt: skip
+
+
+def _below(boundaries: Collection[int], p: int) -> tuple[int, ...]:
+    return tuple(sorted({b for b in boundaries if 0 < b < p}))
 
 
 def _arrays(caches: list) -> list[mx.array]:
@@ -149,7 +156,7 @@ class PromptStart:
         """The prompt's processing reached cut ``p``: snapshot ``cache`` if it is kept."""
         if p not in self.cuts:
             return
-        snap = Snapshot(self.ids[:p], target.snapshot(cache))
+        snap = Snapshot(self.ids[:p], target.snapshot(cache), _below(self.boundaries, p))
         mx.eval(*_arrays(snap.target))
         if self.mtp:
             self.taken.append(snap)
