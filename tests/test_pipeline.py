@@ -43,7 +43,8 @@ def _launch(n: int, args: list[str], timeout: float = 240) -> subprocess.Complet
     """``mtp`` under ``mlx.launch -n N`` (its own -n and -p are mlx.launch's: long flags)."""
     argv = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", str(n), "--starting-port",
             str(_port()), "--python", sys.executable, str(BIN / "mtp"), *args]  # fmt: skip
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
 
 
 def _alone(args: list[str]) -> dict:
@@ -98,6 +99,12 @@ def test_more_ranks_than_layers_is_a_named_error_on_every_rank():
 def test_serve_and_bench_refuse_to_run_split():
     proc = _launch(2, ["serve", "--port", str(_port())], timeout=120)
     assert proc.stderr.count("mtp serve runs in one process") == 2, proc.stderr
+
+
+def test_a_prompt_from_standard_input_is_refused_on_every_rank():
+    proc = _launch(2, ["generate", "--max-tokens", "4"], timeout=120)
+    assert proc.stderr.count("under mlx.launch the prompt comes with --prompt") == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def _mutant(how: str, args: list[str]) -> subprocess.CompletedProcess:
