@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
 
 from ..errors import PipelineError
 from .kv_cache import RowsKVCache
@@ -68,7 +69,7 @@ def stage(n_layers: int, group: mx.distributed.Group | None = None) -> Stage | N
     return Stage(group, split(n_layers, group.size())[group.rank()])
 
 
-def hand_on(stage: Stage, h: mx.array, last_cache) -> mx.array:
+def hand_on(stage: Stage, h: mx.array, last_cache: RowsKVCache | ArraysCache) -> mx.array:
     """After a stage's layers: its hidden state [B, T, H] to the rank below, then the final
     hidden state from rank 0 to every rank. ``last_cache`` (the stage's last layer's cache)
     is made to depend on the send, so evaluating the caches alone (a prompt's chunks) sends."""
