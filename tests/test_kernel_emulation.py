@@ -17,6 +17,7 @@ from mlx_lm.models.activations import swiglu
 from mtpcli.kernels import conv_window as cw
 from mtpcli.kernels import gated_delta as gd
 from mtpcli.kernels import qmm_kernel as qm
+from mtpcli.kernels.gathered_matmul import gathered_matmul_ops
 from mtpcli.kernels.quantized_matmul import quantized_matmul_ops, random_quantized
 
 pytestmark = pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++")
@@ -747,3 +748,143 @@ def test_emulation_catches_a_broken_wide_block(old, new, output):
     got = _emulate_conv(x, True, heads=WIDE_HEADS, source=source.replace(old, new))[output]
     want = _conv_reference(x, True, heads=WIDE_HEADS)[output]
     assert not np.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _experts(e: int, n: int, k: int, group_size: int, bits: int, seed: int):
+    """e experts' quantized weights stacked: w [E, N, K*bits/32], scales and biases [E, N, G]."""
+    parts = [random_quantized(n, k, group_size, bits, mx.bfloat16, seed=seed + i) for i in range(e)]
+    return [mx.stack(a) for a in zip(*parts, strict=True)]
+
+
+def _cuda_gathered(x, w, scales, biases, idx, group_size, bits, swiglu=False, source=None):
+    """The CUDA gathered product's y [..., KS, N] (x [..., XS, K], idx [..., KS])."""
+    variant = qm.Variant(swiglu=swiglu, gathered=True)
+    n_out, groups = qm.launch_shape(w.shape[1] * (2 if swiglu else 1), swiglu)
+    idx = np.asarray(idx, np.uint32)
+    out = cuda_emulation.run(
+        source or qm.source(False, variant),
+        {"x": _bits16(x), "ew": np.array(w), "escales": _bits16(scales),
+         "ebiases": _bits16(biases), "idx": idx},
+        {"y": (*idx.shape, n_out)},
+        {"XT": "__nv_bfloat16", "ST": "__nv_bfloat16", "BITS": bits, "GS": group_size,
+         "WARPS": qm.WARPS},
+        grid=(32 * qm.WARPS * groups, idx.size, 1),
+        threadgroup=(32 * qm.WARPS, 1, 1),
+        header=cuda_emulation.emulated_mma(qm._HEADER_CUDA),
+        types={"x": "XT", "escales": "ST", "ebiases": "ST"},
+    )  # fmt: skip
+    return out["y"]
+
+
+# Three tokens choosing two experts each of five: expert 3 by all three, 0 by two, 4 and 1 once.
+_CHOICES = [[3, 0], [0, 3], [4, 3]]
+
+
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_emulated_cuda_gathered_product_is_each_experts_own_product(bits):
+    """The gathered product (a MoE layer's experts, one launch): every (token, slot) row is
+    bitwise the plain product of its expert's weights, alone or beside the tokens that share
+    the expert; against the dequantized weights in float64; x per token or per slot."""
+    n, k, gs = 40, 512, 64
+    w, scales, biases = _experts(5, n, k, gs, bits, seed=bits)
+    x = mx.random.normal((3, 1, k), key=mx.random.key(1)).astype(mx.bfloat16)  # one per token
+    got = _cuda_gathered(x, w, scales, biases, _CHOICES, gs, bits)
+    for m, chosen in enumerate(_CHOICES):
+        for s, e in enumerate(chosen):
+            alone = _cuda_qmm(x[m], w[e], scales[e], biases[e], gs, bits)
+            assert np.array_equal(got[m, s], alone[0]), (m, s)
+            want = _as_dequantized(x[m], w[e], scales[e], biases[e], gs, bits)
+            np.testing.assert_allclose(got[m, s], want[0], rtol=2**-7, atol=1e-3)
+    one = _cuda_gathered(x[2:], w, scales, biases, _CHOICES[2:], gs, bits)  # token 2 alone
+    assert np.array_equal(one[0], got[2])
+    xs = mx.random.normal((3, 2, k), key=mx.random.key(2)).astype(mx.bfloat16)  # one per slot
+    per_slot = _cuda_gathered(xs, w, scales, biases, _CHOICES, gs, bits)
+    for m, chosen in enumerate(_CHOICES):
+        for s, e in enumerate(chosen):
+            alone = _cuda_qmm(xs[m, s], w[e], scales[e], biases[e], gs, bits)
+            assert np.array_equal(per_slot[m, s], alone[0]), (m, s)
+
+
+def test_emulated_cuda_gathered_swiglu_and_more_than_eight_rows_of_an_expert():
+    """The swiglu variant (the experts' gates, then their ups, stacked) equals the plain swiglu
+    product of each expert's gate and up as one weight, row by row; ten rows of one expert
+    are made in two blocks of eight and two."""
+    n, k, gs, bits = 32, 512, 64, 4
+    w, scales, biases = _experts(6, n, k, gs, bits, seed=11)  # gates of experts 0-2, ups
+    x = mx.random.normal((5, 2, k), key=mx.random.key(3)).astype(mx.bfloat16)
+    idx = [[1, 2]] * 5  # experts 1 and 2 each chosen by all five tokens: 5 rows each
+    got = _cuda_gathered(x, w, scales, biases, idx, gs, bits, swiglu=True)
+    sw = qm.Variant(swiglu=True)
+    for m in range(5):
+        for s, e in enumerate(idx[m]):
+            both = [mx.concatenate([a[e], a[e + 3]]) for a in (w, scales, biases)]
+            alone = _cuda_qmm(x[m, s], *both, gs, bits, variant=sw)
+            assert np.array_equal(got[m, s], alone[0]), (m, s)
+    want = gathered_matmul_ops(x, w, scales, biases, mx.array(idx, mx.uint32), group_size=gs,
+                               bits=bits, swiglu=True)  # fmt: skip
+    # The reference dequantizes in float, the kernel to bf16 (as the plain product): close, and
+    # far from what a gate and up taken from the wrong experts give.
+    want = np.array(want.astype(mx.float32))
+    assert np.abs(got - want).max() <= 0.1 * np.abs(want).max()
+    wrong = gathered_matmul_ops(x, w, scales, biases, mx.array([[2, 1]] * 5, mx.uint32),
+                                group_size=gs, bits=bits, swiglu=True)  # fmt: skip
+    assert np.abs(got - np.array(wrong.astype(mx.float32))).max() > 0.3 * np.abs(want).max()
+    x10 = mx.random.normal((10, 1, k), key=mx.random.key(4)).astype(mx.bfloat16)
+    idx10 = [[0]] * 10
+    got10 = _cuda_gathered(x10, w, scales, biases, idx10, gs, bits)
+    assert not np.any(np.all(got10 == 0, axis=-1)), "a row left unmade"
+    plain = _cuda_qmm(x10[:8, 0], w[0], scales[0], biases[0], gs, bits)
+    assert np.array_equal(got10[:8, 0], plain)
+    plain = _cuda_qmm(x10[8:, 0], w[0], scales[0], biases[0], gs, bits)
+    assert np.array_equal(got10[8:, 0], plain)
+
+
+@pytest.mark.parametrize("mistake", [
+    ("before % 8 != 0", "before != 0"),  # rows past an expert's first eight never made
+    ("(XS == 1 ? 0 : p % KS)", "0"),  # every slot reads its token's first x
+    ("xoff[min(g, M - 1)] / 2", "xoff[0] / 2"),  # every row reads the first row's x
+])  # fmt: skip
+def test_emulation_catches_a_broken_gathered_product(mistake):
+    """The gathered product's tests can fail: each mistake changes some row."""
+    k, gs, bits = 512, 64, 4
+    w, scales, biases = _experts(3, 16, k, gs, bits, seed=21)
+    x = mx.random.normal((10, 2, k), key=mx.random.key(5)).astype(mx.bfloat16)
+    idx = [[0, 1 + m % 2] for m in range(10)]
+    text = qm.source(False, qm.Variant(gathered=True))
+    assert text.count(mistake[0]) == 1
+    good = _cuda_gathered(x, w, scales, biases, idx, gs, bits)
+    bad = _cuda_gathered(x, w, scales, biases, idx, gs, bits, source=text.replace(*mistake))
+    assert np.abs(bad - good).max() > 1e-2 * np.abs(good).max()
+
+
+def test_emulated_metal_gathered_product_matches_the_plain_one():
+    """The Metal gathered product, plain and swiglu: each (token, slot) row bitwise the Metal
+    plain product of its expert, x per token and per slot."""
+    n, k, gs, bits = 40, 512, 64, 4
+    rng = np.random.default_rng(7)
+    parts = [mx.quantize(mx.array(rng.standard_normal((n, k), dtype=np.float32)), group_size=gs,
+                         bits=bits) for _ in range(6)]  # fmt: skip
+    w, scales, biases = (np.stack([np.array(p[i]) for p in parts]) for i in range(3))
+    idx = np.array([[c % 3 for c in row] for row in _CHOICES], np.uint32)
+    idx[2, 0] = 1
+    for xs, swiglu in ((1, False), (2, False), (2, True)):
+        x = rng.standard_normal((3, xs, k), dtype=np.float32)
+        variant = qm.Variant(swiglu=swiglu, gathered=True)
+        n_out, groups = qm.launch_shape(2 * n if swiglu else n, swiglu)
+        got = cuda_emulation.run(
+            qm.source(True, variant),
+            {"x": x, "ew": w, "escales": scales, "ebiases": biases, "idx": idx},
+            {"y": (3, 2, n_out)},
+            {"XT": "float", "ST": "float", "BITS": bits, "GS": gs, "WARPS": qm.WARPS},
+            grid=(32 * qm.WARPS * groups, idx.size, 1),
+            threadgroup=(32 * qm.WARPS, 1, 1),
+        )["y"]
+        for m in range(3):
+            for s, e in enumerate(idx[m]):
+                xm = x[m, s if xs == 2 else 0][None]
+                if swiglu:
+                    both = [np.concatenate([a[e], a[e + 3]]) for a in (w, scales, biases)]
+                    alone = _metal_qmm(xm, *both, gs, bits, variant=qm.Variant(swiglu=True))
+                else:
+                    alone = _metal_qmm(xm, w[e], scales[e], biases[e], gs, bits)
+                assert np.array_equal(got[m, s], alone[0]), (xs, swiglu, m, s)

@@ -108,10 +108,7 @@ _HEADER_CUDA += "".join(
 
 def _prologue(lane: str, warp: str) -> str:
     """Both bodies' opening: the shapes, a thread's lane (g, t) and warp, its rows (``ROWS``)."""
-    return f"""    const int K = x_shape[x_ndim - 1];
-    int M = 1;  // x [..., K]: its leading axes are rows, so no reshape is needed around a call
-    for (int d = 0; d + 1 < x_ndim; ++d) M *= x_shape[d];
-    const int N = w_shape[0];
+    return f"""    {{{{SHAPES}}}}
     const int lane = {lane};
     const int warp = {warp};
     const int g = lane >> 2;
@@ -142,7 +139,7 @@ _CUDA_TEMPLATE = (
     const ST* b_lo = biases + lo * groups;
     const ST* s_hi = scales + hi * groups;
     const ST* b_hi = biases + hi * groups;
-    const uint32_t* x_g = reinterpret_cast<const uint32_t*>(x) + (size_t)min(g, M - 1) * (K / 2);
+    const uint32_t* x_g = reinterpret_cast<const uint32_t*>(x) + {{X_G}};
     {{NORM_INIT}}
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     auto pair = [](ST v) {  // a scale or bias as a pair of x's type
@@ -212,7 +209,7 @@ _CUDA_ROWS = """const int r_lo = blockIdx.x * 16 + g;
 _CUDA_STORE = """for (int i = 0; i < 4; ++i) {
         const int row = i < 2 ? r_lo : r_hi;
         const int m = 2 * t + (i & 1);
-        if (row < N && m < M) y[(size_t)m * N + row] = {{RESULT}};
+        if (row < N && m < M) y[{{Y_M}} * N + row] = {{RESULT}};
       }"""
 # The swiglu variant: a tile is 8 gate rows and their 8 up rows (the weight's second half),
 # so each lane holds both halves of its outputs, and the store makes swiglu(gate, up) [M, N/2]
@@ -225,7 +222,7 @@ _CUDA_STORE_SWIGLU = """for (int i = 0; i < 2; ++i) {
         if (r_lo < NY && m < M) {
           const float gt = QM_RD(acc[i]), up = QM_RD(acc[i + 2]);
           const float sg = QM_RD(1.0f / (1.0f + expf(-gt)));
-          y[(size_t)m * NY + r_lo] = static_cast<XT>(QM_RD(gt * sg) * up);
+          y[{{Y_M}} * NY + r_lo] = static_cast<XT>(QM_RD(gt * sg) * up);
         }
       }"""
 
@@ -294,7 +291,7 @@ _METAL_TEMPLATE = (
           const float wh = float(XT(fma(float((qh >> (BITS * i)) & MASK), s_hi, b_hi)));
           for (int m = 0; m < 8; ++m) {
             if (m < M) {
-              float xm = static_cast<float>(x[(size_t)m * K + k]);
+              float xm = static_cast<float>(x[{{X_M}} + k]);
               {{NORM_X}}
               c_lo[m] = fma(xm, wl, c_lo[m]);
               c_hi[m] = fma(xm, wh, c_hi[m]);
@@ -322,19 +319,13 @@ _METAL_TEMPLATE = (
 """
 )
 
-
-# The rows are the CUDA kernel's; only the threadgroup index is spelled differently.
-_METAL_ROWS, _METAL_ROWS_SWIGLU = (
-    rows.replace("blockIdx.x", "threadgroup_position_in_grid.x")
-    for rows in (_CUDA_ROWS, _CUDA_ROWS_SWIGLU)
-)
 _METAL_STORE = """if (warp == 0 && lane < 16) {
       const int row = threadgroup_position_in_grid.x * 16 + lane;
       for (int m = 0; m < M; ++m) {
         float acc = part[lane * 8 + m];
         for (int v = 1; v < WARPS; ++v) acc = acc + part[(v * 16 + lane) * 8 + m];
         {{NORM_SCALE}}
-        if (row < N) y[(size_t)m * N + row] = {{RESULT}};
+        if (row < N) y[{{Y_M}} * N + row] = {{RESULT}};
       }
     }"""
 _METAL_STORE_SWIGLU = """if (warp == 0 && lane < 8) {
@@ -349,7 +340,7 @@ _METAL_STORE_SWIGLU = """if (warp == 0 && lane < 8) {
         {{NORM_SCALE}}
         const float gt = float(XT(acc)), up = float(XT(up_acc));
         const float sg = float(XT(1.0f / (1.0f + exp(-gt))));
-        if (row < NY) y[(size_t)m * NY + row] = static_cast<XT>(float(XT(gt * sg)) * up);
+        if (row < NY) y[{{Y_M}} * NY + row] = static_cast<XT>(float(XT(gt * sg)) * up);
       }
     }"""
 
@@ -381,21 +372,77 @@ def _result(acc: str, residual: bool) -> str:
             "            + static_cast<float>(residual[(size_t)m * N + row]))")  # fmt: skip
 
 
+# The plain product's shapes: x [..., K] (its leading axes are the M rows), w [N, ...].
+_SHAPES = """const int K = x_shape[x_ndim - 1];
+    int M = 1;  // x [..., K]: its leading axes are rows, so no reshape is needed around a call
+    for (int d = 0; d + 1 < x_ndim; ++d) M *= x_shape[d];
+    const int N = w_shape[0];"""
+_PLAIN_ROWS = {"X_G": "(size_t)min(g, M - 1) * (K / 2)", "X_M": "(size_t)m * K", "Y_M": "(size_t)m"}
+
+# The gathered (mixture-of-experts) product: ew [E, N, ...] holds every expert's weights,
+# idx [..., KS] the experts each token selects (distinct within a token), x [..., XS, K] one
+# input per token (XS = 1) or per selected expert (XS = KS); y [..., KS, N]. Each (token,
+# slot) pair is a row: the block of pair p0 makes its expert's rows for p0 and the next pairs
+# that select the same expert, up to 8 (the plain product's M rows), so an expert's weights
+# are read once however many tokens chose it; a later pair of that expert leaves at once. A
+# row is computed by the same instructions whichever rows share its expert. With swiglu, ew
+# [2E, N/2, ...] holds the experts' gate weights, then their up weights (mlx-lm's two
+# weights stacked, so each stays a contiguous view): y [..., KS, N/2].
+_SHAPES_GATHERED = """const int K = x_shape[x_ndim - 1];
+    {{N_E}}
+    const int KS = idx_shape[idx_ndim - 1];
+    int P = 1;
+    for (int d = 0; d < idx_ndim; ++d) P *= idx_shape[d];
+    const int XS = x_shape[x_ndim - 2];
+    const int p0 = {{PAIR}};
+    const uint32_t e = idx[p0];
+    int before = 0;  // pairs of expert e before p0
+    for (int p = 0; p < p0; ++p) before += idx[p] == e ? 1 : 0;
+    if (before % 8 != 0) return;
+    int pairs[8];
+    size_t xoff[8];  // where each row's x starts
+    int M = 0;
+    for (int p = p0; p < P && M < 8; ++p) {
+      if (idx[p] == e) {
+        pairs[M] = p;
+        xoff[M] = ((size_t)(p / KS) * XS + (XS == 1 ? 0 : p % KS)) * K;
+        M += 1;
+      }
+    }
+    {{AS}}const uint32_t* w = ew + (size_t)e * NE * (K / VPW);
+    {{AS}}const ST* scales = escales + (size_t)e * NE * (K / GS);
+    {{AS}}const ST* biases = ebiases + (size_t)e * NE * (K / GS);"""
+_N_E = """const int N = ew_shape[1];
+    const int NE = N;  // rows an expert has"""
+_N_E_SWIGLU = """const int NE = ew_shape[1];  // rows an expert's gate (and its up) has
+    const int N = 2 * NE;
+    const size_t UP = (size_t)(ew_shape[0] / 2) * NE;  // expert e's up rows: UP after its gate"""
+# The swiglu tile's gate rows and their up rows, in the stacked weights.
+_CUDA_ROWS_SWIGLU_GATHERED = """const int NY = N / 2;
+    const int r_lo = blockIdx.x * 8 + g;
+    const size_t lo = min(r_lo, NY - 1), hi = lo + UP;"""
+_GATHERED_ROWS = {"X_G": "xoff[min(g, M - 1)] / 2", "X_M": "xoff[m]", "Y_M": "(size_t)pairs[m]"}
+
+
 @dataclass(frozen=True)
 class Variant:
     """What one launch does besides the product: RMS-normalise x first (with this eps), swiglu
-    the two halves of its outputs, or add a residual in its store."""
+    the two halves of its outputs, add a residual in its store, or gather each token's
+    selected experts' weights (a mixture-of-experts layer's product)."""
 
     norm_eps: float | None = None
     swiglu: bool = False
     residual: bool = False
+    gathered: bool = False
 
     def __post_init__(self) -> None:
         assert not (self.swiglu and self.residual), "a swiglu output has no residual"
+        assert not (self.gathered and (self.residual or self.norm_eps is not None)), (
+            "a gathered product is plain or swiglu")
 
     def suffix(self) -> str:
         return ("_norm" * (self.norm_eps is not None) + "_swiglu" * self.swiglu
-                + "_add" * self.residual)  # fmt: skip
+                + "_add" * self.residual + "_gather" * self.gathered)  # fmt: skip
 
 
 PLAIN = Variant()
@@ -412,25 +459,37 @@ def source(metal: bool, variant: Variant = PLAIN) -> str:
     """One variant's kernel body for one backend, its placeholders filled."""
     norm = variant.norm_eps is not None
     eps = f"{variant.norm_eps:.9e}f" if norm else ""
+    if variant.gathered:
+        pair = "threadgroup_position_in_grid.y" if metal else "blockIdx.y"
+        shapes = fill(_SHAPES_GATHERED, PAIR=pair, AS="device " if metal else "",
+                      N_E=_N_E_SWIGLU if variant.swiglu else _N_E)  # fmt: skip
+        rows_of = _GATHERED_ROWS
+    else:
+        shapes, rows_of = _SHAPES, _PLAIN_ROWS
+    swiglu_rows = _CUDA_ROWS_SWIGLU_GATHERED if variant.gathered else _CUDA_ROWS_SWIGLU
+    y_m = rows_of["Y_M"]
     if metal:
         norm_parts = {k: v for k, v in _METAL_NORM.items() if k != "NORM_SCALE"}
         scale = fill(_METAL_NORM["NORM_SCALE"], EPS=eps,
                      SCALE_UP="up_acc = up_acc * inv;" if variant.swiglu else "")  # fmt: skip
         if variant.swiglu:
-            store = fill(_METAL_STORE_SWIGLU, NORM_SCALE=scale if norm else "")
+            store = fill(_METAL_STORE_SWIGLU, NORM_SCALE=scale if norm else "", Y_M=y_m)
         else:
             store = fill(_METAL_STORE, NORM_SCALE=scale if norm else "",
-                         RESULT=_result("acc", variant.residual))  # fmt: skip
-        rows = _METAL_ROWS_SWIGLU if variant.swiglu else _METAL_ROWS
-        text, parts = _METAL_TEMPLATE, {"ROWS": rows, "STORE": store}
+                         RESULT=_result("acc", variant.residual), Y_M=y_m)  # fmt: skip
+        rows = (swiglu_rows if variant.swiglu else _CUDA_ROWS).replace(
+            "blockIdx.x", "threadgroup_position_in_grid.x")
+        text, parts = _METAL_TEMPLATE, {"ROWS": rows, "STORE": store, "X_M": rows_of["X_M"]}
     else:
         norm_parts = {k: fill(v, EPS=eps) if "{{EPS}}" in v else v for k, v in _CUDA_NORM.items()}
         if variant.swiglu:
-            rows, store = _CUDA_ROWS_SWIGLU, _CUDA_STORE_SWIGLU
+            rows, store = swiglu_rows, fill(_CUDA_STORE_SWIGLU, Y_M=y_m)
         else:
-            rows, store = _CUDA_ROWS, fill(_CUDA_STORE, RESULT=_result("acc[i]", variant.residual))
-        text, parts = _CUDA_TEMPLATE, {"ROWS": rows, "STORE": store}
-    return fill(text, **parts, **{k: v if norm else "" for k, v in norm_parts.items()})
+            rows = _CUDA_ROWS
+            store = fill(_CUDA_STORE, RESULT=_result("acc[i]", variant.residual), Y_M=y_m)
+        text, parts = _CUDA_TEMPLATE, {"ROWS": rows, "STORE": store, "X_G": rows_of["X_G"]}
+    return fill(text, **parts, SHAPES=shapes,
+                **{k: v if norm else "" for k, v in norm_parts.items()})  # fmt: skip
 
 
 _kernels: dict = {}
@@ -440,7 +499,8 @@ def _spec(metal: bool, header: str, variant: Variant = PLAIN) -> dict:
     text = source(metal, variant)
     return {
         "name": kernel_name("mtp_qmm" + variant.suffix(), text, header),
-        "input_names": ["x", "w", "scales", "biases"]
+        "input_names": (["x", "ew", "escales", "ebiases", "idx"] if variant.gathered
+                        else ["x", "w", "scales", "biases"])  # fmt: skip
         + ["norm_w"] * (variant.norm_eps is not None)
         + ["residual"] * variant.residual,
         "output_names": ["y"],
@@ -498,5 +558,27 @@ def launch(
         grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[(*lead, n_out)],
+        output_dtypes=[x.dtype],
+    )[0]
+
+
+def launch_gathered(
+    x, w, scales, biases, indices, *, group_size: int, bits: int, swiglu: bool = False,
+    warps: int = WARPS,
+) -> mx.array | None:  # fmt: skip
+    """The native gathered kernel: x [..., XS, K] (XS 1 or KS), experts' weights w [E, N, ...]
+    (with ``swiglu``, [2E, N, ...]: the gates, then the ups), indices [..., KS] -> y [..., KS,
+    N] in x's dtype; None where there is no kernel."""
+    k = kernel(Variant(swiglu=swiglu, gathered=True), warps)
+    if k is None:
+        return None
+    n_out, groups = launch_shape(w.shape[1] * (2 if swiglu else 1), swiglu)
+    return k(
+        inputs=[x, w, scales, biases, indices],
+        template=[("XT", x.dtype), ("ST", scales.dtype), ("BITS", bits), ("GS", group_size),
+                  ("WARPS", warps)],  # fmt: skip
+        grid=(32 * warps * groups, indices.size, 1),
+        threadgroup=(32 * warps, 1, 1),
+        output_shapes=[(*indices.shape, n_out)],
         output_dtypes=[x.dtype],
     )[0]

@@ -1,0 +1,111 @@
+"""A mixture-of-experts layer's expert products: each token's selected experts, one launch.
+
+MLX's ``gather_qmm`` runs a token's experts as one product per (token, expert) pair, and which
+pairs it batches together depends on the other tokens, so a verify's rows need not equal the
+decode rows. Here each (token, slot) pair is a row of our quantized product
+(``qmm_kernel.py``): the rows that chose one expert share one read of its weights, and every row
+is computed by the same instructions whichever rows share its expert, so a verify batches its
+positions through the routed layers and stays exact. The self-check confirms both on the
+running GPU before the kernel is trusted.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.activations import swiglu as _swiglu
+
+from . import backend, use_native
+from .qmm_kernel import BITS, GROUP_SIZES, MAX_ROWS, launch_gathered
+from .quantized_matmul import random_quantized
+
+
+def gathered_matmul_ops(
+    x, w, scales, biases, indices, *, group_size: int, bits: int, swiglu: bool = False
+) -> mx.array:
+    """Ops reference: x [..., XS, K] (XS = 1: one input per token; XS = KS: one per selected
+    expert), the experts' quantized weights w [E, N, K*bits/32] (scales, biases [E, N,
+    K/group]), indices [..., KS] -> y [..., KS, N], row (t, s) = x[t, s or 0] @ w[idx[t, s]].T
+    as ``mx.gather_qmm`` computes it. With ``swiglu``, w [2E, N, ...] holds E experts' gate
+    weights, then their up weights, and y [..., KS, N] = swiglu(gate, up) of each row (mlx-lm's
+    ``SwitchGLU`` before its down projection)."""
+
+    def product(rows: mx.array) -> mx.array:
+        return mx.gather_qmm(
+            mx.expand_dims(x, -2), w, scales, biases, rhs_indices=rows, transpose=True,
+            group_size=group_size, bits=bits,
+        ).squeeze(-2)  # fmt: skip
+
+    if not swiglu:
+        return product(indices)
+    return _swiglu(product(indices), product(indices + w.shape[0] // 2))
+
+
+def _self_check(dtype, sdtype, group_size: int, bits: int, swiglu: bool) -> str | None:
+    """Agreement with the reference and row invariance (1, 3 and 8 tokens of 2 experts each,
+    of 4, so that experts are shared) on 40 weight rows of K = 1024."""
+    e, n, k = 4, 40, 1024
+    stacked = 2 * e if swiglu else e  # gates, then ups
+    parts = [random_quantized(n, k, group_size, bits, sdtype, seed=30 + i)
+             for i in range(stacked)]  # fmt: skip
+    w, scales, biases = (mx.stack(a) for a in zip(*parts, strict=True))  # [E, N, ...]
+    x = (mx.random.normal((8, 1, k), key=mx.random.key(31)) * 3).astype(dtype)
+    idx = mx.array([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3], [2, 0], [3, 1]], mx.uint32)
+    opts = {"group_size": group_size, "bits": bits, "swiglu": swiglu}
+    try:
+        got = {m: launch_gathered(x[:m], w, scales, biases, idx[:m], **opts) for m in (1, 3, 8)}
+        want = gathered_matmul_ops(x, w, scales, biases, idx, **opts)
+        mx.eval(got, want)
+    except Exception as err:  # noqa: BLE001 - a kernel that fails to build is not trusted
+        return f"{type(err).__name__}: {err}"
+    if not all(isinstance(got[m], mx.array) for m in got):
+        return "gives no array"
+    if got[8].shape != want.shape:
+        return f"outputs have the shape {got[8].shape}, not {want.shape}"
+    a, b = got[8].astype(mx.float32), want.astype(mx.float32)
+    diff = mx.abs(a - b).max().item()
+    if not diff <= 2e-2 * mx.abs(b).max().item():
+        return f"outputs differ from the reference by up to {diff:.3g}"
+    for m in (1, 3):
+        if not mx.array_equal(got[m], got[8][:m]).item():
+            return f"rows of {m} tokens differ from the same rows among 8 tokens"
+    return None
+
+
+def supported(x: mx.array, w: mx.array, indices: mx.array, group_size: int, bits: int) -> bool:
+    """Whether the native kernel's layout covers this product (else the reference runs)."""
+    k = x.shape[-1]
+    return (
+        x.dtype in (mx.bfloat16, mx.float16)
+        and bits in BITS
+        and group_size in GROUP_SIZES
+        and k % (16 * 32 // bits) == 0
+        and w.ndim == 3
+        and indices.dtype == mx.uint32
+        and x.ndim == indices.ndim + 1
+        and x.shape[-2] in (1, indices.shape[-1])
+        and x.shape[:-2] == indices.shape[:-1]
+        and indices.size // indices.shape[-1] <= MAX_ROWS
+    )
+
+
+def gathered_matmul(
+    x, w, scales, biases, indices, *, group_size: int, bits: int, swiglu: bool = False,
+    mode: str = "auto",
+) -> mx.array:  # fmt: skip
+    """``gathered_matmul_ops`` (same arguments) as one trusted native launch where it runs
+    here (at most 8 tokens), else the reference."""
+    opts = {"group_size": group_size, "bits": bits, "swiglu": swiglu}
+    if (
+        backend() != "cpu"
+        and biases is not None
+        and (not swiglu or w.shape[0] % 2 == 0)
+        and supported(x, w, indices, group_size, bits)
+        and use_native(
+            "gathered_matmul" + "_swiglu" * swiglu,
+            (backend(), str(x.dtype), str(scales.dtype), group_size, bits),
+            lambda: _self_check(x.dtype, scales.dtype, group_size, bits, swiglu),
+            mode,
+        )
+    ):
+        return launch_gathered(x, w, scales, biases, indices, **opts)
+    return gathered_matmul_ops(x, w, scales, biases, indices, **opts)
