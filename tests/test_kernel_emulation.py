@@ -867,10 +867,10 @@ def test_emulated_metal_gathered_product_matches_the_plain_one():
     w, scales, biases = (np.stack([np.array(p[i]) for p in parts]) for i in range(3))
     idx = np.array([[c % 3 for c in row] for row in _CHOICES], np.uint32)
     idx[2, 0] = 1
-    for xs, swiglu in ((1, False), (2, False), (2, True)):
+    for xs, glu in ((1, False), (2, False), (2, True)):
         x = rng.standard_normal((3, xs, k), dtype=np.float32)
-        variant = qm.Variant(swiglu=swiglu, gathered=True)
-        n_out, groups = qm.launch_shape(2 * n if swiglu else n, swiglu)
+        variant = qm.Variant(swiglu=glu, gathered=True)
+        n_out, groups = qm.launch_shape(2 * n if glu else n, glu)
         got = cuda_emulation.run(
             qm.source(True, variant),
             {"x": x, "ew": w, "escales": scales, "ebiases": biases, "idx": idx},
@@ -882,9 +882,9 @@ def test_emulated_metal_gathered_product_matches_the_plain_one():
         for m in range(3):
             for s, e in enumerate(idx[m]):
                 xm = x[m, s if xs == 2 else 0][None]
-                if swiglu:
+                if glu:
                     both = [np.concatenate([a[e], a[e + 3]]) for a in (w, scales, biases)]
                     alone = _metal_qmm(xm, *both, gs, bits, variant=qm.Variant(swiglu=True))
                 else:
                     alone = _metal_qmm(xm, w[e], scales[e], biases[e], gs, bits)
-                assert np.array_equal(got[m, s], alone[0]), (xs, swiglu, m, s)
+                assert np.array_equal(got[m, s], alone[0]), (xs, glu, m, s)

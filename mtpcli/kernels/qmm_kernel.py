@@ -438,7 +438,8 @@ class Variant:
     def __post_init__(self) -> None:
         assert not (self.swiglu and self.residual), "a swiglu output has no residual"
         assert not (self.gathered and (self.residual or self.norm_eps is not None)), (
-            "a gathered product is plain or swiglu")
+            "a gathered product is plain or swiglu"
+        )
 
     def suffix(self) -> str:
         return ("_norm" * (self.norm_eps is not None) + "_swiglu" * self.swiglu
@@ -478,7 +479,8 @@ def source(metal: bool, variant: Variant = PLAIN) -> str:
             store = fill(_METAL_STORE, NORM_SCALE=scale if norm else "",
                          RESULT=_result("acc", variant.residual), Y_M=y_m)  # fmt: skip
         rows = (swiglu_rows if variant.swiglu else _CUDA_ROWS).replace(
-            "blockIdx.x", "threadgroup_position_in_grid.x")
+            "blockIdx.x", "threadgroup_position_in_grid.x"
+        )
         text, parts = _METAL_TEMPLATE, {"ROWS": rows, "STORE": store, "X_M": rows_of["X_M"]}
     else:
         norm_parts = {k: fill(v, EPS=eps) if "{{EPS}}" in v else v for k, v in _CUDA_NORM.items()}
@@ -499,8 +501,11 @@ def _spec(metal: bool, header: str, variant: Variant = PLAIN) -> dict:
     text = source(metal, variant)
     return {
         "name": kernel_name("mtp_qmm" + variant.suffix(), text, header),
-        "input_names": (["x", "ew", "escales", "ebiases", "idx"] if variant.gathered
-                        else ["x", "w", "scales", "biases"])  # fmt: skip
+        "input_names": (
+            ["x", "ew", "escales", "ebiases", "idx"]
+            if variant.gathered
+            else ["x", "w", "scales", "biases"]
+        )  # fmt: skip
         + ["norm_w"] * (variant.norm_eps is not None)
         + ["residual"] * variant.residual,
         "output_names": ["y"],
@@ -575,8 +580,13 @@ def launch_gathered(
     n_out, groups = launch_shape(w.shape[1] * (2 if swiglu else 1), swiglu)
     return k(
         inputs=[x, w, scales, biases, indices],
-        template=[("XT", x.dtype), ("ST", scales.dtype), ("BITS", bits), ("GS", group_size),
-                  ("WARPS", warps)],  # fmt: skip
+        template=[
+            ("XT", x.dtype),
+            ("ST", scales.dtype),
+            ("BITS", bits),
+            ("GS", group_size),
+            ("WARPS", warps),
+        ],  # fmt: skip
         grid=(32 * warps * groups, indices.size, 1),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[(*indices.shape, n_out)],
