@@ -114,10 +114,19 @@ def build(name: str, bits: int | None = 4, group_size: int = 64, seed: int = 0,
     cfg = ModelConfig(family, TextConfig.from_dict(text, family), quant, (), None, True)
     model = build_model(cfg)
     if bits:
-        # mlx-community conversions keep the routers (mlp.gate, shared_expert_gate) unquantized.
-        nn.quantize(model, group_size=group_size, bits=bits,
-                    class_predicate=lambda path, m: hasattr(m, "to_quantized")
-                    and not path.endswith("gate"))  # fmt: skip
+        # As mlx-lm's converter quantizes (its model's quant_predicate): a MoE block's routers
+        # (mlp.gate, shared_expert_gate) at 8 bits, group 64, recorded per module in the config.
+        routers = model.quant_predicate
+
+        def predicate(path: str, m: nn.Module) -> bool | dict:
+            if not hasattr(m, "to_quantized"):
+                return False
+            rule = routers(path, m) if routers is not None else True
+            if isinstance(rule, dict):
+                quant[path] = rule
+            return rule
+
+        nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
     _randomize(model, bits, seed)
     cpu_expert_upcast(model)
     target = Qwen35Target(model, cfg, options)
@@ -141,7 +150,7 @@ def write(name: str, root: Path, bits: int | None = 4, group_size: int = 64, see
 
     target, drafter = build(name, bits, group_size, seed)
     _, text = _text(name)
-    quant = {"group_size": group_size, "bits": bits, "mode": "affine"} if bits else None
+    quant = target.config.quantization
     root = Path(root)
     if raw:
         if bits:

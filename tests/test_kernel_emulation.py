@@ -770,7 +770,7 @@ def _cuda_gathered(x, w, scales, biases, idx, group_size, bits, swiglu=False, so
          "WARPS": qm.WARPS},
         grid=(32 * qm.WARPS * groups, idx.size, 1),
         threadgroup=(32 * qm.WARPS, 1, 1),
-        header=cuda_emulation.emulated_mma(qm._HEADER_CUDA),
+        header=cuda_emulation.emulated_mma(qm._HEADER_CUDA + qm._HEADER_GATHERED),
         types={"x": "XT", "escales": "ST", "ebiases": "ST"},
     )  # fmt: skip
     return out["y"]
@@ -841,8 +841,9 @@ def test_emulated_cuda_gathered_swiglu_and_more_than_eight_rows_of_an_expert():
 
 @pytest.mark.parametrize("mistake", [
     ("before % 8 != 0", "before != 0"),  # rows past an expert's first eight never made
-    ("(XS == 1 ? 0 : p % KS)", "0"),  # every slot reads its token's first x
-    ("xoff[min(g, M - 1)] / 2", "xoff[0] / 2"),  # every row reads the first row's x
+    ("(XS == 1 ? 0 : p_g % KS)", "0"),  # every slot reads its token's first x
+    ("qm_nth(idx, p0, min(g, M - 1))", "p0"),  # every row reads the first row's x
+    ("qm_nth(idx, blockIdx.y, m)", "m"),  # rows stored in the wrong places
 ])  # fmt: skip
 def test_emulation_catches_a_broken_gathered_product(mistake):
     """The gathered product's tests can fail: each mistake changes some row."""

@@ -88,6 +88,29 @@ def supported(x: mx.array, w: mx.array, indices: mx.array, group_size: int, bits
     )
 
 
+def _key(dtype, sdtype, group_size: int, bits: int) -> tuple:
+    return (backend(), str(dtype), str(sdtype), group_size, bits)
+
+
+def _trusted(dtype, sdtype, group_size: int, bits: int, swiglu: bool, mode: str) -> bool:
+    """Whether the native kernel runs for this class of product (its self-check run once a
+    process under ``auto``)."""
+    return use_native(
+        "gathered_matmul" + "_swiglu" * swiglu,
+        _key(dtype, sdtype, group_size, bits),
+        lambda: _self_check(dtype, sdtype, group_size, bits, swiglu),
+        mode,
+    )
+
+
+def native_ready(dtype, sdtype, group_size: int, bits: int, swiglu: bool, mode: str) -> bool:
+    """Whether a product of activations ``dtype`` and scales ``sdtype`` (of at most 8 tokens,
+    a layout ``supported`` takes) runs natively here: the kernel exists and is trusted."""
+    return (backend() != "cpu" and bits in BITS and group_size in GROUP_SIZES
+            and dtype in (mx.bfloat16, mx.float16)
+            and _trusted(dtype, sdtype, group_size, bits, swiglu, mode))  # fmt: skip
+
+
 def gathered_matmul(
     x, w, scales, biases, indices, *, group_size: int, bits: int, swiglu: bool = False,
     mode: str = "auto",
@@ -100,12 +123,7 @@ def gathered_matmul(
         and biases is not None
         and (not swiglu or w.shape[0] % 2 == 0)
         and supported(x, w, indices, group_size, bits)
-        and use_native(
-            "gathered_matmul" + "_swiglu" * swiglu,
-            (backend(), str(x.dtype), str(scales.dtype), group_size, bits),
-            lambda: _self_check(x.dtype, scales.dtype, group_size, bits, swiglu),
-            mode,
-        )
+        and _trusted(x.dtype, scales.dtype, group_size, bits, swiglu, mode)
     ):
         return launch_gathered(x, w, scales, biases, indices, **opts)
     return gathered_matmul_ops(x, w, scales, biases, indices, **opts)

@@ -399,16 +399,8 @@ _SHAPES_GATHERED = """const int K = x_shape[x_ndim - 1];
     int before = 0;  // pairs of expert e before p0
     for (int p = 0; p < p0; ++p) before += idx[p] == e ? 1 : 0;
     if (before % 8 != 0) return;
-    int pairs[8];
-    size_t xoff[8];  // where each row's x starts
-    int M = 0;
-    for (int p = p0; p < P && M < 8; ++p) {
-      if (idx[p] == e) {
-        pairs[M] = p;
-        xoff[M] = ((size_t)(p / KS) * XS + (XS == 1 ? 0 : p % KS)) * K;
-        M += 1;
-      }
-    }
+    int M = 0;  // rows: p0 and the next pairs of e, up to 8
+    for (int p = p0; p < P && M < 8; ++p) M += idx[p] == e ? 1 : 0;
     {{AS}}const uint32_t* w = ew + (size_t)e * NE * (K / VPW);
     {{AS}}const ST* scales = escales + (size_t)e * NE * (K / GS);
     {{AS}}const ST* biases = ebiases + (size_t)e * NE * (K / GS);"""
@@ -421,7 +413,37 @@ _N_E_SWIGLU = """const int NE = ew_shape[1];  // rows an expert's gate (and its 
 _CUDA_ROWS_SWIGLU_GATHERED = """const int NY = N / 2;
     const int r_lo = blockIdx.x * 8 + g;
     const size_t lo = min(r_lo, NY - 1), hi = lo + UP;"""
-_GATHERED_ROWS = {"X_G": "xoff[min(g, M - 1)] / 2", "X_M": "xoff[m]", "Y_M": "(size_t)pairs[m]"}
+# Each backend's row m: on CUDA found again where it is needed (qm_nth), since arrays of them
+# cost ptxas a spill; Metal keeps the rows' pairs and where their x start in arrays.
+_GATHERED_ROWS = {"X_G": "x_row / 2", "X_M": "xoff[m]"}
+_Y_M = {False: "(size_t)qm_nth(idx, blockIdx.y, m)", True: "(size_t)pairs[m]"}
+_ROW_X = {
+    False: """const int p_g = qm_nth(idx, p0, min(g, M - 1));  // lane g's row
+    const size_t x_row = ((size_t)(p_g / KS) * XS + (XS == 1 ? 0 : p_g % KS)) * K;""",
+    True: """int pairs[8];
+    size_t xoff[8];  // where each row's x starts
+    for (int p = p0, m = 0; m < M; ++p) {
+      if (idx[p] == e) {
+        pairs[m] = p;
+        xoff[m] = ((size_t)(p / KS) * XS + (XS == 1 ? 0 : p % KS)) * K;
+        m += 1;
+      }
+    }""",
+}
+# The pair of row m of the block of pair p0: the m-th pair from p0 that selects p0's expert.
+_HEADER_GATHERED = """
+__device__ __forceinline__ int qm_nth(const uint32_t* idx, int p0, int m) {
+  const uint32_t e = idx[p0];
+  int p = p0;
+  for (int c = 0;; ++p) {
+    if (idx[p] == e) {
+      if (c == m) break;
+      c += 1;
+    }
+  }
+  return p;
+}
+"""
 
 
 @dataclass(frozen=True)
@@ -468,7 +490,8 @@ def source(metal: bool, variant: Variant = PLAIN) -> str:
     else:
         shapes, rows_of = _SHAPES, _PLAIN_ROWS
     swiglu_rows = _CUDA_ROWS_SWIGLU_GATHERED if variant.gathered else _CUDA_ROWS_SWIGLU
-    y_m = rows_of["Y_M"]
+    row_x = _ROW_X[metal] + "\n    " if variant.gathered else ""
+    y_m = _Y_M[metal] if variant.gathered else rows_of["Y_M"]
     if metal:
         norm_parts = {k: v for k, v in _METAL_NORM.items() if k != "NORM_SCALE"}
         scale = fill(_METAL_NORM["NORM_SCALE"], EPS=eps,
@@ -478,16 +501,16 @@ def source(metal: bool, variant: Variant = PLAIN) -> str:
         else:
             store = fill(_METAL_STORE, NORM_SCALE=scale if norm else "",
                          RESULT=_result("acc", variant.residual), Y_M=y_m)  # fmt: skip
-        rows = (swiglu_rows if variant.swiglu else _CUDA_ROWS).replace(
+        rows = row_x + (swiglu_rows if variant.swiglu else _CUDA_ROWS).replace(
             "blockIdx.x", "threadgroup_position_in_grid.x"
         )
         text, parts = _METAL_TEMPLATE, {"ROWS": rows, "STORE": store, "X_M": rows_of["X_M"]}
     else:
         norm_parts = {k: fill(v, EPS=eps) if "{{EPS}}" in v else v for k, v in _CUDA_NORM.items()}
         if variant.swiglu:
-            rows, store = swiglu_rows, fill(_CUDA_STORE_SWIGLU, Y_M=y_m)
+            rows, store = row_x + swiglu_rows, fill(_CUDA_STORE_SWIGLU, Y_M=y_m)
         else:
-            rows = _CUDA_ROWS
+            rows = row_x + _CUDA_ROWS
             store = fill(_CUDA_STORE, RESULT=_result("acc[i]", variant.residual), Y_M=y_m)
         text, parts = _CUDA_TEMPLATE, {"ROWS": rows, "STORE": store, "X_G": rows_of["X_G"]}
     return fill(text, **parts, SHAPES=shapes,
@@ -516,16 +539,18 @@ def _spec(metal: bool, header: str, variant: Variant = PLAIN) -> dict:
 
 # The norm and swiglu variants take 66-68 registers unbounded (3 blocks of 8 warps a
 # multiprocessor); bounded to 4 blocks, ptxas fits them in 64 without spills
-# (tests/test_cuda_compile.py).
+# (tests/test_cuda_compile.py). The gathered ones spill at 64 and stay unbounded: a MoE
+# layer's expert products are a few hundred blocks, 2-4 a multiprocessor anyway.
 NORM_MIN_BLOCKS = 4
 
 
 def header(variant: Variant, warps: int = WARPS, min_blocks: int | None = None) -> str:
     """The CUDA header a variant's kernel is built with (``min_blocks``: launch bounds)."""
-    in_loop = variant.norm_eps is not None or variant.swiglu
-    if min_blocks is None and in_loop and warps == WARPS:
+    bounded = (variant.norm_eps is not None or variant.swiglu) and not variant.gathered
+    if min_blocks is None and bounded and warps == WARPS:
         min_blocks = NORM_MIN_BLOCKS
-    return _HEADER_CUDA + (launch_bounds(warps, min_blocks) if min_blocks else "")
+    gathered = _HEADER_GATHERED if variant.gathered else ""
+    return _HEADER_CUDA + gathered + (launch_bounds(warps, min_blocks) if min_blocks else "")
 
 
 def kernel(variant: Variant, warps: int = WARPS, min_blocks: int | None = None):

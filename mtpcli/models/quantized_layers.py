@@ -9,7 +9,10 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
+from ..kernels.gathered_matmul import gathered_matmul, native_ready
+from ..kernels.qmm_kernel import MAX_ROWS
 from ..kernels.quantized_matmul import quantized_matmul
 
 
@@ -109,6 +112,64 @@ class FusedProjection(nn.Module):
     def start(self, i: int) -> int:
         """Where sibling i's outputs begin in the fused outputs' last axis."""
         return ([0] + self._cuts)[i]
+
+
+class FusedExperts:
+    """A MoE block's experts (mlx-lm's quantized ``SwitchGLU``) as two gathered products for
+    up to 8 tokens: every selected expert's gate and up with their swiglu in one launch, its
+    down projection in another (``kernels/gathered_matmul.py``), each token's rows the same
+    bits whichever tokens share its experts. More tokens (a prefill) run mlx-lm's own module.
+
+    The gate and up weights [E, I, ...] are stacked once into one array [2E, I, ...] (the gates,
+    then the ups) that the kernel reads; the module keeps contiguous views of its halves, so no
+    weight is stored twice and mlx-lm's products read them as before.
+    """
+
+    def __init__(self, switch: nn.Module, mode: str = "auto"):
+        gate, up, self.down = switch.gate_proj, switch.up_proj, switch.down_proj
+        self.switch, self.kernel_mode = switch, mode
+        self.group_size, self.bits = gate.group_size, gate.bits
+        e = gate.weight.shape[0]
+        self.stacked = {}
+        for name in ("weight", "scales", "biases"):
+            both = mx.concatenate([gate[name], up[name]])  # [2E, I, ...]
+            mx.eval(both)
+            self.stacked[name] = both
+            gate[name], up[name] = both[:e], both[e:]
+        mx.eval(gate.parameters(), up.parameters())
+
+    @staticmethod
+    def fusable(switch: nn.Module) -> bool:
+        parts = (switch.gate_proj, switch.up_proj, switch.down_proj)
+        gate, up = parts[0], parts[1]
+        return (
+            all(isinstance(m, QuantizedSwitchLinear) and m.mode == "affine"
+                and m.get("biases") is not None and "bias" not in m and m.global_scale is None
+                for m in parts)
+            and (gate.weight.shape, gate.group_size, gate.bits)
+            == (up.weight.shape, up.group_size, up.bits)
+        )  # fmt: skip
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x [..., H] and each token's experts indices [..., k] -> [..., k, H]."""
+        if indices.size // indices.shape[-1] > MAX_ROWS:
+            return self.switch(x, indices)
+        opts = {"group_size": self.group_size, "bits": self.bits, "mode": self.kernel_mode}
+        w = self.stacked
+        h = gathered_matmul(mx.expand_dims(x, -2), w["weight"], w["scales"], w["biases"],
+                            indices, swiglu=True, **opts)  # [..., k, I]  # fmt: skip
+        d = self.down
+        return gathered_matmul(h, d["weight"], d["scales"], d["biases"], indices, **opts)
+
+    def native(self, dtype: mx.Dtype) -> bool:
+        """Whether both products run natively here for activations of ``dtype`` (checked
+        now, once a process), so that every token's rows are row-invariant."""
+        scales = self.stacked["scales"].dtype
+        ready = [
+            native_ready(dtype, scales, self.group_size, self.bits, glu, self.kernel_mode)
+            for glu in (True, False)
+        ]  # both checked now: any warning comes at load
+        return all(ready)
 
 
 _OURS = {nn.QuantizedLinear: KernelQuantizedLinear, nn.QuantizedEmbedding: KernelQuantizedEmbedding}

@@ -33,7 +33,7 @@ from ..weights import load_arrays, load_module_weights, read_inventory
 from . import ForwardOut, GatedDeltaTrace
 from .kv_cache import GraphKV, RowsKVCache, held
 from .pipeline import Stage, hand_on, receive
-from .quantized_layers import FusedProjection, install, linear_add
+from .quantized_layers import FusedExperts, FusedProjection, install, linear_add
 from .row_policy import RowPolicy, dense
 
 # A prompt's chunks end at multiples of this (counted from its first token), which are also
@@ -186,6 +186,31 @@ def _mlp(fused: FusedProjection, down: nn.Module) -> Callable:
     return lambda h, norm: linear_add(down, fused(h, norm), h)
 
 
+def _shared(fused: FusedProjection, down: nn.Module) -> Callable:
+    """x -> a MoE block's shared expert (mlx-lm's dense MLP) of x: its gate and up and their
+    swiglu in one product, then the down projection."""
+    return lambda x: down(fused(x))
+
+
+def _moe(block: nn.Module, experts: FusedExperts, shared: Callable) -> Callable:
+    """(h, norm) -> h + mlx-lm's sparse MoE block of norm(h) (its router, top-k and weighting,
+    in its order): the selected experts through ``experts``, the shared expert through
+    ``shared``."""
+    k = block.top_k
+
+    def run(h: mx.array, norm: nn.Module) -> mx.array:
+        x = norm(h)  # [B, T, H]
+        gates = mx.softmax(block.gate(x), axis=-1, precise=True)  # [B, T, E]
+        inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]  # [B, T, k]
+        scores = mx.take_along_axis(gates, inds, axis=-1)
+        if block.norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        y = (experts(x, inds) * scores[..., None]).sum(axis=-2)  # [B, T, H]
+        return h + (y + mx.sigmoid(block.shared_expert_gate(x)) * shared(x))
+
+    return run
+
+
 class Qwen35Target:
     """A loaded Qwen3.5-family target with the surface the engines need."""
 
@@ -212,7 +237,9 @@ class Qwen35Target:
         self.policy = RowPolicy()
         if fuse is None:  # where our kernel runs; on the CPU mlx-lm's exact products stay
             fuse = options.ours and kernels.backend() != "cpu" and self.mode != "ops"
-        self.fused_in, self.fused_mlp = self._fuse() if fuse else ({}, {})
+        self.fused_in, self.fused_mlp, experts = self._fuse() if fuse else ({}, {}, {})
+        dtype = self._activations_dtype()
+        self.gathered = {i for i, e in experts.items() if e.native(dtype)}
         self.functions = LayerFunctions(options.compile)
         # A decode step or verify block whose layer-by-layer pass settled every choice (kernel
         # checks, row probes) and ran each attention layer on the native kernels then runs as
@@ -226,27 +253,32 @@ class Qwen35Target:
         # block differ. Nor are they compiled: on CUDA their compiled functions differ from the
         # eager ones, which the first block of each length runs (docs/supported-models.md).
         # MLX's CPU products are row-invariant regardless.
+        # The exception: a routed layer whose experts run through our gathered product, which
+        # is row-invariant by construction (kernels/gathered_matmul.py), is probed as any.
         gpu = kernels.backend() != "cpu"
         moe = qwen3_5.SparseMoeBlock
         self.routed_on_gpu = [gpu and ly is not None and isinstance(ly.mlp, moe)
                               for ly in self.layers]  # fmt: skip
+        unbatched = [r and i not in self.gathered for i, r in enumerate(self.routed_on_gpu)]
         # Nor are layers with a dense (unquantized) product probed on a GPU: MLX's bf16 matmuls
         # are not row-invariant on CUDA (docs/design.md), yet on small products three probes
         # can pass and a later block differ (docs/supported-models.md). They run position by
         # position in a verify, as decode.
         self.unprobed = [
             r or (gpu and ly is not None and dense(ly))
-            for r, ly in zip(self.routed_on_gpu, self.layers, strict=True)
+            for r, ly in zip(unbatched, self.layers, strict=True)
         ]
         self.head_unprobed = gpu and dense(self._head()[0])
 
-    def _fuse(self) -> tuple[dict, dict]:
+    def _fuse(self) -> tuple[dict, dict, dict]:
         """Per layer: the input projections (gated-delta: qkv, z, b, a; attention: q, k, v),
-        and the dense MLP's gate and up. One product reads the weights of all of a group, and
-        a step launches fewer kernels (each launch has a floor of a few us on CUDA, and costs
-        the host more): the norm before each group and the MLP's swiglu ride in the same
-        launch (kernels/qmm_kernel.py), 192 launches fewer a 27B step."""
-        fused_in, fused_mlp = {}, {}
+        the dense MLP's gate and up, a MoE block's experts and its shared expert's gate and
+        up. One product reads the weights of all of a group, and a step launches fewer
+        kernels (each launch has a floor of a few us on CUDA, and costs the host more): the
+        norm before each group and the MLP's swiglu ride in the same launch
+        (kernels/qmm_kernel.py), 192 launches fewer a 27B step. Returns the input groups, the
+        MLP functions and the MoE layers' experts."""
+        fused_in, fused_mlp, experts = {}, {}, {}
         for i, layer in enumerate(self.layers):
             if layer is None:
                 continue
@@ -264,7 +296,21 @@ class Qwen35Target:
                 if FusedProjection.fusable(group):
                     fused = FusedProjection(group, swiglu=True, mode=self.mode)
                     fused_mlp[i] = _mlp(fused, mlp.down_proj)
-        return fused_in, fused_mlp
+            if isinstance(mlp, qwen3_5.SparseMoeBlock) and FusedExperts.fusable(mlp.switch_mlp):
+                experts[i] = FusedExperts(mlp.switch_mlp, mode=self.mode)
+                se = mlp.shared_expert
+                group = [se.gate_proj, se.up_proj]
+                shared = se
+                if FusedProjection.fusable(group):
+                    fused = FusedProjection(group, swiglu=True, mode=self.mode)
+                    shared = _shared(fused, se.down_proj)
+                fused_mlp[i] = _moe(mlp, experts[i], shared)
+        return fused_in, fused_mlp, experts
+
+    def _activations_dtype(self) -> mx.Dtype:
+        """The hidden states' dtype: the embedding's (its scales', if quantized)."""
+        embed = self.embed_tokens
+        return embed["scales"].dtype if "scales" in embed else embed["weight"].dtype
 
     @property
     def layers(self) -> list:

@@ -1,0 +1,140 @@
+"""A MoE target's experts through our gathered product (kernels/gathered_matmul.py): the fused
+layers equal mlx-lm's, and where the product runs natively (a row-by-row stand-in here) a
+verify batches its positions through the routed layers and MTP stays exact. The kernel's own
+arithmetic is tested in test_kernel_emulation.py and, on CUDA, in test_cuda.py."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mtpcli import kernels, synthetic
+from mtpcli.engine.classic import generate_classic
+from mtpcli.engine.mtp import generate_mtp
+from mtpcli.kernels import gathered_matmul as gm
+from mtpcli.kernels import quantized_matmul as qm
+from mtpcli.models.qwen3_5 import Qwen35Target
+from mtpcli.options import Options
+
+PROMPT = [(7 * i) % 200 for i in range(40)]
+OURS = Options(qmm="ours")  # our products, as on CUDA
+
+
+def _gathered_rows(x, w, scales, biases, indices, *, group_size, bits, swiglu=False):
+    """A correct, row-invariant stand-in for the native gathered kernel: the reference one
+    (token, slot) row at a time, x [..., XS, K] and indices [..., KS] as the kernel takes them."""
+    ks, xs = indices.shape[-1], x.shape[-2]
+    idx, xr = indices.reshape(-1, ks), x.reshape(-1, xs, x.shape[-1])
+    rows = [gm.gathered_matmul_ops(xr[t, s if xs > 1 else 0][None, None], w, scales, biases,
+                                   idx[t, s][None, None], group_size=group_size, bits=bits,
+                                   swiglu=swiglu)[0, 0]
+            for t in range(idx.shape[0]) for s in range(ks)]  # fmt: skip
+    return mx.stack(rows).reshape(*indices.shape, rows[0].shape[-1])
+
+
+def _dense_rows(x, w, scales, biases, *, group_size, bits, residual=None, norm_weight=None,
+                eps=1e-6, swiglu=False):  # fmt: skip
+    """The same for our plain product (routers, shared expert, attention, gated-delta)."""
+    if norm_weight is not None:
+        x = mx.fast.rms_norm(x, norm_weight, eps)
+    rows = x.reshape(-1, x.shape[-1])
+    y = mx.concatenate([qm.quantized_matmul_ops(rows[i : i + 1], w, scales, biases,
+                                                group_size=group_size, bits=bits, swiglu=swiglu)
+                        for i in range(rows.shape[0])])  # fmt: skip
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    return y if residual is None else residual + y
+
+
+def _pretend_gpu(monkeypatch, gathered=_gathered_rows):
+    for module in (kernels, qm, gm):
+        monkeypatch.setattr(module, "backend", lambda: "cuda")
+    monkeypatch.setattr(qm, "launch", _dense_rows)
+    monkeypatch.setattr(gm, "launch_gathered", gathered)
+    kernels.reset_verdicts()
+
+
+def _routed(target: Qwen35Target) -> list[int]:
+    return [i for i, ly in enumerate(target.layers) if hasattr(ly.mlp, "switch_mlp")]
+
+
+def test_fused_experts_equal_mlx_lms_and_keep_its_weights_as_views():
+    """On the CPU (mlx-lm's products): the fused MoE layers (experts' gate and up stacked, the
+    shared expert's gate and up fused) give the unfused model's hidden states bitwise and its
+    tokens; the switch module's gate and up are the halves of the stacked weight."""
+    plain, _ = synthetic.build("tiny-moe", bits=4)
+    target, _ = synthetic.build("tiny-moe", bits=4)
+    fused = Qwen35Target(target.model, target.config, target.options, fuse=True)
+    routed = _routed(fused)
+    assert routed and set(routed) <= set(fused.fused_mlp)
+    switch = fused.layers[routed[0]].mlp.switch_mlp
+    e = switch.gate_proj.weight.shape[0]
+    stacked = mx.concatenate([switch.gate_proj.weight, switch.up_proj.weight])
+    assert stacked.shape[0] == 2 * e
+    ha = plain.prefill(mx.array([PROMPT]), plain.make_cache())
+    hb = fused.prefill(mx.array([PROMPT]), fused.make_cache())
+    assert mx.array_equal(ha, hb).item()
+    want = list(generate_classic(plain, PROMPT, max_tokens=12))
+    assert list(generate_classic(fused, PROMPT, max_tokens=12)) == want
+
+
+def test_routed_layers_batch_a_verify_through_a_row_invariant_gathered_product(monkeypatch):
+    """With the gathered product native (a row-by-row stand-in), its self-check passes, the
+    routed layers are probed and batched like any (no longer position by position), a verify
+    block's tokens go through it together, and MTP equals classic."""
+    calls = []
+
+    def gathered(x, w, scales, biases, indices, **kw):
+        calls.append(indices.size // indices.shape[-1])
+        return _gathered_rows(x, w, scales, biases, indices, **kw)
+
+    _pretend_gpu(monkeypatch, gathered)
+    target, drafter = synthetic.build("tiny-moe", bits=4, options=OURS)
+    routed = _routed(target)
+    assert target.gathered == set(routed)
+    assert not any(target.unprobed[i] for i in routed)
+    want = list(generate_classic(target, PROMPT, max_tokens=16))
+    calls.clear()
+    got = list(generate_mtp(target, drafter, PROMPT, block_size=3, max_tokens=16))
+    assert got == want
+    assert max(calls) == 3  # a block-3 verify's tokens in one product
+
+
+def test_a_gathered_product_that_is_not_row_invariant_is_refused(monkeypatch):
+    """A stand-in whose rows depend on the other tokens fails the self-check (a warning): the
+    routed layers then run a verify position by position, and MTP still equals classic."""
+
+    def shifty(x, w, scales, biases, indices, **kw):
+        y = _gathered_rows(x, w, scales, biases, indices, **kw)
+        tokens = indices.size // indices.shape[-1]
+        return y + (tokens > 1) * 0.5  # batched rows differ from the rows alone
+
+    _pretend_gpu(monkeypatch, shifty)
+    with pytest.warns(RuntimeWarning, match="gathered_matmul"):
+        target, drafter = synthetic.build("tiny-moe", bits=4, options=OURS)
+    routed = _routed(target)
+    assert target.gathered == set() and all(target.unprobed[i] for i in routed)
+    want = list(generate_classic(target, PROMPT, max_tokens=12))
+    assert list(generate_mtp(target, drafter, PROMPT, block_size=3, max_tokens=12)) == want
+
+
+@pytest.mark.skipif(not kernels.available("cuda"), reason="needs MLX's CUDA backend")
+def test_cuda_gathered_kernel_passes_its_self_check_and_runs_the_35b_expert_shapes():
+    """On CUDA: both variants pass their self-check at 4 and 8 bits, and the 35B-A3B's expert
+    products (2048 -> 2 x 512 with swiglu, 512 -> 2048) of a block-4 verify agree with the
+    reference, each token's rows bitwise its rows alone."""
+    for glu in (False, True):
+        for bits in (4, 8):
+            assert gm._self_check(mx.bfloat16, mx.bfloat16, 64, bits, glu) is None, (glu, bits)
+    e, h, inter = 256, 2048, 512
+    parts = [qm.random_quantized(inter, h, 64, 4, mx.bfloat16, seed=i) for i in range(2 * 16)]
+    w, s, b = (mx.concatenate([mx.stack(a)] * (2 * e // 32)) for a in zip(*parts, strict=True))
+    x = mx.random.normal((4, 1, h), key=mx.random.key(1)).astype(mx.bfloat16)
+    idx = mx.random.permutation(e, key=mx.random.key(2))[:32].reshape(4, 8).astype(mx.uint32)
+    idx = mx.concatenate([idx[:, :4], mx.broadcast_to(idx[:1, :4], (4, 4))], axis=1)  # shared
+    opts = {"group_size": 64, "bits": 4, "swiglu": True}
+    y = gm.gathered_matmul(x, w, s, b, idx, **opts)
+    want = gm.gathered_matmul_ops(x, w, s, b, idx, **opts)
+    assert mx.allclose(y.astype(mx.float32), want.astype(mx.float32), atol=0.5, rtol=5e-2).item()
+    for t in range(4):
+        alone = gm.gathered_matmul(x[t : t + 1], w, s, b, idx[t : t + 1], **opts)
+        assert mx.array_equal(alone[0], y[t]).item(), t
