@@ -117,6 +117,23 @@ def test_a_gathered_product_that_is_not_row_invariant_is_refused(monkeypatch):
     assert list(generate_mtp(target, drafter, PROMPT, block_size=3, max_tokens=12)) == want
 
 
+def test_experts_of_widths_the_kernel_does_not_cover_stay_position_by_position(ckpts, monkeypatch):
+    """The test fixture's MoE widths (64) are not a multiple of the kernel's K step (128 at 4
+    bits): its products would fall back to MLX's per call, so even with a trusted kernel its
+    routed layers are not batched."""
+    from pathlib import Path
+
+    from mtpcli.config import load_config
+    from mtpcli.models.qwen3_5 import load_target
+
+    _pretend_gpu(monkeypatch)
+    path = Path(ckpts.target(moe=True, bits=4))
+    config = load_config(path)
+    target = Qwen35Target(load_target(path, config).model, config, OURS, fuse=True)
+    routed = _routed(target)
+    assert routed and target.gathered == set() and all(target.unprobed[i] for i in routed)
+
+
 @pytest.mark.skipif(not kernels.available("cuda"), reason="needs MLX's CUDA backend")
 def test_cuda_gathered_kernel_passes_its_self_check_and_runs_the_35b_expert_shapes():
     """On CUDA: both variants pass their self-check at 4 and 8 bits, and the 35B-A3B's expert
@@ -138,3 +155,18 @@ def test_cuda_gathered_kernel_passes_its_self_check_and_runs_the_35b_expert_shap
     for t in range(4):
         alone = gm.gathered_matmul(x[t : t + 1], w, s, b, idx[t : t + 1], **opts)
         assert mx.array_equal(alone[0], y[t]).item(), t
+
+
+@pytest.mark.skipif(not kernels.available("cuda"), reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mtp_equals_classic_on_cuda_with_routed_layers_batched(bits):
+    """On CUDA: a MoE target of widths the kernel covers runs its routed layers through the
+    gathered product, batched in a verify, and MTP's tokens equal classic's."""
+    target, drafter = synthetic.build("tiny-moe", bits=bits)
+    routed = _routed(target)
+    assert target.gathered == set(routed)
+    for prompt in (PROMPT, [5, 9, 2, 200, 17]):
+        want = list(generate_classic(target, prompt, max_tokens=24))
+        for block in (2, 3, 4):
+            got = list(generate_mtp(target, drafter, prompt, block_size=block, max_tokens=24))
+            assert got == want, (bits, block)

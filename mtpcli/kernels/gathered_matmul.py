@@ -103,11 +103,13 @@ def _trusted(dtype, sdtype, group_size: int, bits: int, swiglu: bool, mode: str)
     )
 
 
-def native_ready(dtype, sdtype, group_size: int, bits: int, swiglu: bool, mode: str) -> bool:
-    """Whether a product of activations ``dtype`` and scales ``sdtype`` (of at most 8 tokens,
-    a layout ``supported`` takes) runs natively here: the kernel exists and is trusted."""
+def native_ready(dtype, sdtype, k: int, group_size: int, bits: int, swiglu: bool,
+                 mode: str) -> bool:  # fmt: skip
+    """Whether every product of activations ``dtype``, inputs of width ``k`` and scales
+    ``sdtype`` (of at most 8 tokens) runs natively here: the layout is covered, the kernel
+    exists and is trusted."""
     return (backend() != "cpu" and bits in BITS and group_size in GROUP_SIZES
-            and dtype in (mx.bfloat16, mx.float16)
+            and dtype in (mx.bfloat16, mx.float16) and k % (16 * 32 // bits) == 0
             and _trusted(dtype, sdtype, group_size, bits, swiglu, mode))  # fmt: skip
 
 

@@ -165,8 +165,12 @@ class FusedExperts:
         """Whether both products run natively here for activations of ``dtype`` (checked
         now, once a process), so that every token's rows are row-invariant."""
         scales = self.stacked["scales"].dtype
+        # the gate and up read the hidden state (down's outputs), down the experts' widths
+        widths = {True: self.down.output_dims, False: self.down.input_dims}
         ready = [
-            native_ready(dtype, scales, self.group_size, self.bits, glu, self.kernel_mode)
+            native_ready(
+                dtype, scales, widths[glu], self.group_size, self.bits, glu, self.kernel_mode
+            )  # fmt: skip
             for glu in (True, False)
         ]  # both checked now: any warning comes at load
         return all(ready)
