@@ -17,6 +17,7 @@ from mtpcli.kernels import conv_window as cw
 from mtpcli.kernels import decode_attention as da
 from mtpcli.kernels import gated_delta as gd
 from mtpcli.kernels import gated_norm as gn
+from mtpcli.kernels import moe_route as mr
 from mtpcli.kernels import qmm_kernel as qm
 
 NVCC = shutil.which("nvcc")
@@ -183,6 +184,18 @@ def test_decode_attention_kernels_compile_without_spills(tmp_path, dtype):
     types = {"part_m": F32, "part_l": F32, "part_acc": F32, "gate": dtype, "cached": "int32_t"}
     assert list(types) == da._COMBINE_INPUTS
     code = _wrap(combine, header, types, {"out": dtype}, {"InT": dtype, "D": 256})
+    assert _no_spills(_compile(tmp_path, code))
+
+
+@pytest.mark.parametrize("dtype", [BF16, HALF, F32])
+def test_moe_routing_and_combination_kernels_compile_without_spills(tmp_path, dtype):
+    """The 35B-A3B's routing: 256 experts, 8 a token."""
+    constants = {"InT": dtype, "E": 256, "EPL": 8, "KS": 8, "NORM": 1, "WARPS": mr._WARPS}
+    code = _wrap(mr.route_source(False), "", {"logits": dtype},
+                 {"inds": U32, "scores": dtype}, constants)  # fmt: skip
+    assert _no_spills(_compile(tmp_path, code))
+    inputs = dict.fromkeys(["y", "scores", "shared", "logits", "h"], dtype)
+    code = _wrap(mr.combine_source(False), "", inputs, {"out": dtype}, {"InT": dtype, "KS": 8})
     assert _no_spills(_compile(tmp_path, code))
 
 

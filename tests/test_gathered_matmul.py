@@ -12,6 +12,7 @@ from mtpcli import kernels, synthetic
 from mtpcli.engine.classic import generate_classic
 from mtpcli.engine.mtp import generate_mtp
 from mtpcli.kernels import gathered_matmul as gm
+from mtpcli.kernels import moe_route as mr
 from mtpcli.kernels import quantized_matmul as qm
 from mtpcli.models.qwen3_5 import Qwen35Target
 from mtpcli.options import Options
@@ -45,11 +46,28 @@ def _dense_rows(x, w, scales, biases, *, group_size, bits, residual=None, norm_w
     return y if residual is None else residual + y
 
 
+def _route_rows(logits, experts, k, normalize):
+    """The same for the routing: the reference a token at a time."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    out = [mr.route_ops(rows[i : i + 1], experts, k, normalize) for i in range(rows.shape[0])]
+    return [mx.concatenate(part).reshape(*logits.shape[:-1], k) for part in zip(*out, strict=True)]
+
+
+def _combine_rows(y, scores, shared, logits, h):
+    """And for the combination."""
+    lead = h.shape[:-1]
+    parts = [a.reshape(-1, *a.shape[len(lead) :]) for a in (y, scores, shared, logits, h)]
+    rows = [mr.combine_ops(*(a[i : i + 1] for a in parts)) for i in range(parts[-1].shape[0])]
+    return mx.concatenate(rows).reshape(h.shape)
+
+
 def _pretend_gpu(monkeypatch, gathered=_gathered_rows):
-    for module in (kernels, qm, gm):
+    for module in (kernels, qm, gm, mr):
         monkeypatch.setattr(module, "backend", lambda: "cuda")
     monkeypatch.setattr(qm, "launch", _dense_rows)
     monkeypatch.setattr(gm, "launch_gathered", gathered)
+    monkeypatch.setattr(mr, "route_native", _route_rows)
+    monkeypatch.setattr(mr, "combine_native", _combine_rows)
     kernels.reset_verdicts()
 
 
@@ -78,9 +96,10 @@ def test_fused_experts_equal_mlx_lms_and_keep_its_weights_as_views():
 
 
 def test_routed_layers_batch_a_verify_through_a_row_invariant_gathered_product(monkeypatch):
-    """With the gathered product native (a row-by-row stand-in), its self-check passes, the
-    routed layers are probed and batched like any (no longer position by position), a verify
-    block's tokens go through it together, and MTP equals classic."""
+    """With the gathered product, the routing and the combination native (row-by-row stand-ins),
+    their self-checks pass, the routed layers are probed, batched and compiled like any (no
+    longer position by position), a verify block's tokens go through them together, and MTP
+    equals classic."""
     calls = []
 
     def gathered(x, w, scales, biases, indices, **kw):
@@ -90,13 +109,14 @@ def test_routed_layers_batch_a_verify_through_a_row_invariant_gathered_product(m
     _pretend_gpu(monkeypatch, gathered)
     target, drafter = synthetic.build("tiny-moe", bits=4, options=OURS)
     routed = _routed(target)
-    assert target.gathered == set(routed)
+    assert target.moe_native == set(routed)
     assert not any(target.unprobed[i] for i in routed)
     want = list(generate_classic(target, PROMPT, max_tokens=16))
     calls.clear()
     got = list(generate_mtp(target, drafter, PROMPT, block_size=3, max_tokens=16))
     assert got == want
     assert max(calls) == 3  # a block-3 verify's tokens in one product
+    assert {key[1] for key in target.functions.compiled_keys()} >= set(routed)
 
 
 def test_a_gathered_product_that_is_not_row_invariant_is_refused(monkeypatch):
@@ -112,7 +132,7 @@ def test_a_gathered_product_that_is_not_row_invariant_is_refused(monkeypatch):
     with pytest.warns(RuntimeWarning, match="gathered_matmul"):
         target, drafter = synthetic.build("tiny-moe", bits=4, options=OURS)
     routed = _routed(target)
-    assert target.gathered == set() and all(target.unprobed[i] for i in routed)
+    assert target.moe_native == set() and all(target.unprobed[i] for i in routed)
     want = list(generate_classic(target, PROMPT, max_tokens=12))
     assert list(generate_mtp(target, drafter, PROMPT, block_size=3, max_tokens=12)) == want
 
@@ -131,7 +151,7 @@ def test_experts_of_widths_the_kernel_does_not_cover_stay_position_by_position(c
     config = load_config(path)
     target = Qwen35Target(load_target(path, config).model, config, OURS, fuse=True)
     routed = _routed(target)
-    assert routed and target.gathered == set() and all(target.unprobed[i] for i in routed)
+    assert routed and target.moe_native == set() and all(target.unprobed[i] for i in routed)
 
 
 @pytest.mark.skipif(not kernels.available("cuda"), reason="needs MLX's CUDA backend")
@@ -164,7 +184,7 @@ def test_mtp_equals_classic_on_cuda_with_routed_layers_batched(bits):
     gathered product, batched in a verify, and MTP's tokens equal classic's."""
     target, drafter = synthetic.build("tiny-moe", bits=bits)
     routed = _routed(target)
-    assert target.gathered == set(routed)
+    assert target.moe_native == set(routed)
     for prompt in (PROMPT, [5, 9, 2, 200, 17]):
         want = list(generate_classic(target, prompt, max_tokens=24))
         for block in (2, 3, 4):

@@ -23,6 +23,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from .. import kernels
 from ..config import ModelConfig
 from ..errors import LayoutError
+from ..kernels import moe_route
 from ..kernels.decode_attention import MAX_T, Rope, decode_attention, native_block
 from ..kernels.gated_delta import gated_delta_conv
 from ..kernels.gated_norm import gated_norm_in_place
@@ -33,7 +34,13 @@ from ..weights import load_arrays, load_module_weights, read_inventory
 from . import ForwardOut, GatedDeltaTrace
 from .kv_cache import GraphKV, RowsKVCache, held
 from .pipeline import Stage, hand_on, receive
-from .quantized_layers import FusedExperts, FusedProjection, install, linear_add
+from .quantized_layers import (
+    FusedExperts,
+    FusedProjection,
+    KernelQuantizedLinear,
+    install,
+    linear_add,
+)
 from .row_policy import RowPolicy, dense
 
 # A prompt's chunks end at multiples of this (counted from its first token), which are also
@@ -186,27 +193,32 @@ def _mlp(fused: FusedProjection, down: nn.Module) -> Callable:
     return lambda h, norm: linear_add(down, fused(h, norm), h)
 
 
+def _side_by_side(linears: list[nn.Module]) -> Callable:
+    """x -> the outputs of ``linears`` side by side (where they cannot be one product)."""
+    return lambda x: mx.concatenate([m(x) for m in linears], axis=-1)
+
+
 def _shared(fused: FusedProjection, down: nn.Module) -> Callable:
     """x -> a MoE block's shared expert (mlx-lm's dense MLP) of x: its gate and up and their
     swiglu in one product, then the down projection."""
     return lambda x: down(fused(x))
 
 
-def _moe(block: nn.Module, experts: FusedExperts, shared: Callable) -> Callable:
-    """(h, norm) -> h + mlx-lm's sparse MoE block of norm(h) (its router, top-k and weighting,
-    in its order): the selected experts through ``experts``, the shared expert through
-    ``shared``."""
-    k = block.top_k
+def _moe(block: nn.Module, experts: FusedExperts, shared: Callable, router: Callable,
+         mode: str) -> Callable:  # fmt: skip
+    """(h, norm) -> h + mlx-lm's sparse MoE block of norm(h): ``router`` gives the router's
+    logits and the shared expert's gate logit side by side [..., E + 1]; the routing (softmax,
+    top-k, scores) and the combination (weighted sum, gated shared expert, residual) are a
+    launch each where their kernels run (kernels/moe_route.py), the selected experts go
+    through ``experts``, the shared expert through ``shared``."""
+    n, k, normalize = block.num_experts, block.top_k, block.norm_topk_prob
 
     def run(h: mx.array, norm: nn.Module) -> mx.array:
         x = norm(h)  # [B, T, H]
-        gates = mx.softmax(block.gate(x), axis=-1, precise=True)  # [B, T, E]
-        inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]  # [B, T, k]
-        scores = mx.take_along_axis(gates, inds, axis=-1)
-        if block.norm_topk_prob:
-            scores = scores / scores.sum(axis=-1, keepdims=True)
-        y = (experts(x, inds) * scores[..., None]).sum(axis=-2)  # [B, T, H]
-        return h + (y + mx.sigmoid(block.shared_expert_gate(x)) * shared(x))
+        logits = router(x)  # [B, T, E + 1]
+        fast = moe_route.native_ready(logits.dtype, n, k, normalize, mode)
+        inds, scores = moe_route.route(logits, n, k, normalize, mode)  # [B, T, k] each
+        return moe_route.combine(experts(x, inds), scores, shared(x), logits, h, fast)
 
     return run
 
@@ -237,9 +249,7 @@ class Qwen35Target:
         self.policy = RowPolicy()
         if fuse is None:  # where our kernel runs; on the CPU mlx-lm's exact products stay
             fuse = options.ours and kernels.backend() != "cpu" and self.mode != "ops"
-        self.fused_in, self.fused_mlp, experts = self._fuse() if fuse else ({}, {}, {})
-        dtype = self._activations_dtype()
-        self.gathered = {i for i, e in experts.items() if e.native(dtype)}
+        self.fused_in, self.fused_mlp, self.moe_native = self._fuse() if fuse else ({}, {}, set())
         self.functions = LayerFunctions(options.compile)
         # A decode step or verify block whose layer-by-layer pass settled every choice (kernel
         # checks, row probes) and ran each attention layer on the native kernels then runs as
@@ -253,20 +263,23 @@ class Qwen35Target:
         # block differ. Nor are they compiled: on CUDA their compiled functions differ from the
         # eager ones, which the first block of each length runs (docs/supported-models.md).
         # MLX's CPU products are row-invariant regardless.
-        # The exception: a routed layer whose experts run through our gathered product, which
-        # is row-invariant by construction (kernels/gathered_matmul.py), is probed as any.
+        # The exception: a routed layer that runs on our kernels alone (``moe_native``: the
+        # gathered products, the routing and the combination, each row-invariant by
+        # construction, and our products for the router and the shared expert) is probed and
+        # compiled as any other.
         gpu = kernels.backend() != "cpu"
         moe = qwen3_5.SparseMoeBlock
-        self.routed_on_gpu = [gpu and ly is not None and isinstance(ly.mlp, moe)
-                              for ly in self.layers]  # fmt: skip
-        unbatched = [r and i not in self.gathered for i, r in enumerate(self.routed_on_gpu)]
+        self.routed_on_gpu = [
+            gpu and ly is not None and isinstance(ly.mlp, moe) and i not in self.moe_native
+            for i, ly in enumerate(self.layers)
+        ]
         # Nor are layers with a dense (unquantized) product probed on a GPU: MLX's bf16 matmuls
         # are not row-invariant on CUDA (docs/design.md), yet on small products three probes
         # can pass and a later block differ (docs/supported-models.md). They run position by
         # position in a verify, as decode.
         self.unprobed = [
             r or (gpu and ly is not None and dense(ly))
-            for r, ly in zip(unbatched, self.layers, strict=True)
+            for r, ly in zip(self.routed_on_gpu, self.layers, strict=True)
         ]
         self.head_unprobed = gpu and dense(self._head()[0])
 
@@ -277,8 +290,9 @@ class Qwen35Target:
         kernels (each launch has a floor of a few us on CUDA, and costs the host more): the
         norm before each group and the MLP's swiglu ride in the same launch
         (kernels/qmm_kernel.py), 192 launches fewer a 27B step. Returns the input groups, the
-        MLP functions and the MoE layers' experts."""
-        fused_in, fused_mlp, experts = {}, {}, {}
+        MLP functions and the MoE layers that run on our kernels alone."""
+        fused_in, fused_mlp, moe_native = {}, {}, set()
+        dtype = self._activations_dtype()
         for i, layer in enumerate(self.layers):
             if layer is None:
                 continue
@@ -297,15 +311,23 @@ class Qwen35Target:
                     fused = FusedProjection(group, swiglu=True, mode=self.mode)
                     fused_mlp[i] = _mlp(fused, mlp.down_proj)
             if isinstance(mlp, qwen3_5.SparseMoeBlock) and FusedExperts.fusable(mlp.switch_mlp):
-                experts[i] = FusedExperts(mlp.switch_mlp, mode=self.mode)
-                se = mlp.shared_expert
-                group = [se.gate_proj, se.up_proj]
-                shared = se
-                if FusedProjection.fusable(group):
-                    fused = FusedProjection(group, swiglu=True, mode=self.mode)
+                experts = FusedExperts(mlp.switch_mlp, mode=self.mode)
+                se, gates = mlp.shared_expert, [mlp.gate, mlp.shared_expert_gate]
+                ours = [se.gate_proj, se.up_proj, se.down_proj, *gates]
+                shared, router = se, _side_by_side(gates)
+                if FusedProjection.fusable([se.gate_proj, se.up_proj]):
+                    fused = FusedProjection([se.gate_proj, se.up_proj], swiglu=True,
+                                            mode=self.mode)  # fmt: skip
                     shared = _shared(fused, se.down_proj)
-                fused_mlp[i] = _moe(mlp, experts[i], shared)
-        return fused_in, fused_mlp, experts
+                if FusedProjection.fusable(gates):
+                    router = FusedProjection(gates, mode=self.mode)
+                fused_mlp[i] = _moe(mlp, experts, shared, router, self.mode)
+                if (all(type(m) is KernelQuantizedLinear for m in ours)
+                        and FusedProjection.fusable(gates) and experts.native(dtype)
+                        and moe_route.native_ready(dtype, mlp.num_experts, mlp.top_k,
+                                                   mlp.norm_topk_prob, self.mode)):  # fmt: skip
+                    moe_native.add(i)
+        return fused_in, fused_mlp, moe_native
 
     def _activations_dtype(self) -> mx.Dtype:
         """The hidden states' dtype: the embedding's (its scales', if quantized)."""
