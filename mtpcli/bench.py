@@ -7,6 +7,7 @@ run, with the machine, its load and the versions beside it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import random
@@ -503,7 +504,13 @@ def markdown(doc: dict) -> str:
         f"{tuple(round(x, 2) for x in info['load_after'])} after. {st['prompts']} prompts x "
         f"{st['max_tokens']} tokens, {st['repeats']} repeats; figures are median (min-max). "
         f"Kernels {st.get('kernels', 'auto')}, quantized matmul {st.get('qmm', 'mlx')}"
-        f"{_submitted(st)}.",
+        f"{_submitted(st)}."
+        + (
+            f" The target's layers split over {st['processes']} processes (mlx.launch); the "
+            "machine line is rank 0's."
+            if st.get("processes", 1) > 1
+            else ""
+        ),
         "",
         f"Command: `{st.get('command', 'mtp bench')}`",
     ]
@@ -703,6 +710,7 @@ def run(
         "peers": peers, "kernels": options.kernels, "draft_quantize": sorted(quantized),
         "qmm": options.qmm_label,
         "submit_every": target.submit_every, "peer_notes": peer_notes,
+        "processes": target.stage.size if target.stage is not None else 1,
     }  # fmt: skip
     if contexts:
         progress("gate calibration")
@@ -731,7 +739,11 @@ def run(
     table = verify_cost_table(target, prompts[0], max(3, repeats)) if verify_table else None
     progress("gate calibration")
     # the prompts are short: the gate's costs at its shortest context
-    cal = gate.calibrate(gate_arms(target, drafter), list(blocks), repeats=max(3, repeats))
+    # Split over processes (mlx.launch), every rank must run as many generations: a fixed
+    # count, not as many as fit a time budget (each rank would time its own).
+    budget = math.inf if target.stage is not None else 2.0
+    cal = gate.calibrate(gate_arms(target, drafter), list(blocks), repeats=max(3, repeats),
+                         budget_s=budget)  # fmt: skip
     gate_doc = gate_check(cal, result, list(blocks), gate.SHORT)
     info = machine() | {"load_before": load_before, "load_after": os.getloadavg()}
     return to_json(result, table, info, settings, gate_doc)

@@ -536,14 +536,26 @@ def bench(
     from . import bench as B
     from .example import NOTE
     from .files import why, writable_dir
-    from .models.pipeline import launched
+    from .models.pipeline import launched, rank
     from .options import Options
 
-    if launched():
-        raise PipelineError("mtp bench runs in one process; start it without mlx.launch "
-                            "(scripts/bench_pipeline.py times mtp generate over 1, 2 and 3 "
-                            "processes)")  # fmt: skip
+    split = launched()
+    if split and (synthetic or peers or context):
+        raise PipelineError("under mlx.launch, mtp bench runs the built-in example or a "
+                            "checkpoint from disk (-m), without --synthetic (every process "
+                            "would build the whole model), --peers (they run in one process) "
+                            "or --context (its gate times each process apart)")  # fmt: skip
+    if split:  # mlx.launch ends every process once one has ended
+        signal.signal(signal.SIGTERM, _pipeline_ended)
+    quiet = split and rank() != 0  # in a pipeline, rank 0 speaks for all
     options = Options(kernels=kernels, qmm=qmm)
+    if quiet:
+        with _pipeline_errors():
+            B.run(model, draft_model, blocks=block_size, repeats=repeats,
+                  max_tokens=max_tokens, prompts_file=prompts_file, simulate=simulate_acceptance,
+                  verify_table=verify_table, draft_quantize=draft_quantize,
+                  read_first=rounds_read_first, options=options)  # fmt: skip
+        return
     if out is not None:
         writable_dir(out)  # before the run, whose results would otherwise be lost
     if model is None and not synthetic:
@@ -557,14 +569,15 @@ def bench(
             if not err.is_terminal:  # logs of long runs show how far they got
                 err.print(f"[{time.perf_counter() - t0:7.1f}s] {msg}")
 
-        doc = B.run(
-            model, draft_model, synthetic=synthetic, bits=bits, blocks=block_size,
-            repeats=repeats, max_tokens=max_tokens, prompts_file=prompts_file,
-            simulate=simulate_acceptance, peers=peers, verify_table=verify_table,
-            draft_quantize=draft_quantize, contexts=context, read_first=rounds_read_first,
-            options=options, command="mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-            progress=progress,
-        )  # fmt: skip
+        with _pipeline_errors() if split else contextlib.nullcontext():
+            doc = B.run(
+                model, draft_model, synthetic=synthetic, bits=bits, blocks=block_size,
+                repeats=repeats, max_tokens=max_tokens, prompts_file=prompts_file,
+                simulate=simulate_acceptance, peers=peers, verify_table=verify_table,
+                draft_quantize=draft_quantize, contexts=context, read_first=rounds_read_first,
+                options=options, command="mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                progress=progress,
+            )  # fmt: skip
     markdown = B.markdown(doc)
     if out is not None:
         stamp = time.strftime("%Y%m%d-%H%M%S")

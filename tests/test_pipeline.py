@@ -96,9 +96,26 @@ def test_more_ranks_than_layers_is_a_named_error_on_every_rank():
     assert "exited with code 1" in proc.stdout + proc.stderr
 
 
-def test_serve_and_bench_refuse_to_run_split():
+def test_serve_refuses_to_run_split():
     proc = _launch(2, ["serve", "--port", str(_port())], timeout=120)
     assert proc.stderr.count("mtp serve runs in one process") == 2, proc.stderr
+
+
+def test_bench_runs_split_and_rank_0_reports():
+    """``mtp bench`` under mlx.launch: every rank runs the same generations (the gate's
+    calibration a fixed count of them, not a time's worth), rank 0 alone prints the report,
+    whose MTP tokens equal its classic ones; --synthetic is refused on every rank."""
+    args = ["bench", "--repeats", "1", "--max-tokens", "6", "--block-size", "2",
+            "--no-verify-table", "--json"]  # fmt: skip
+    proc = _launch(2, args)
+    docs = _ranks(proc)
+    assert len(docs) == 1, proc.stdout + proc.stderr
+    doc = docs[0]
+    assert doc["settings"]["processes"] == 2
+    assert doc["arms"]["mtp-2"]["same_tokens_as_classic"] is True
+    assert doc["classic_tps"] > 0
+    proc = _launch(2, ["bench", "--synthetic", "tiny", "--repeats", "1"], timeout=120)
+    assert proc.stderr.count("without --synthetic") == 2, proc.stderr
 
 
 def test_a_prompt_from_standard_input_is_refused_on_every_rank():

@@ -61,6 +61,11 @@ def launched() -> bool:
     return mx.distributed.init().size() > 1
 
 
+def rank() -> int:
+    """This process's rank among those ``mlx.launch`` started (0 alone)."""
+    return mx.distributed.init().rank()
+
+
 def stage(n_layers: int, group: mx.distributed.Group | None = None) -> Stage | None:
     """This process's stage when it runs in a group of several (``mlx.launch``); None alone."""
     group = group if group is not None else mx.distributed.init()
