@@ -1,0 +1,145 @@
+"""Concurrent clients against a server: aggregate tokens/s, latency and time to first text at
+1, 4 and 8 clients, ours (``mtp serve``, MTP forced and classic) and ``mlx_lm.server`` on the
+built-in example, each started here in turn and spoken to by the openai client, streaming.
+
+    python scripts/bench_serve.py --requests 3 --max-tokens 64 --json out.json
+
+At each concurrency every client sends ``--requests`` chat requests one after another (the
+example's held-out prompts, a different one each, temperature 0); the aggregate is all their
+completion tokens over the wall time from the first request to the last answer. Latency is a
+request's whole time, time to first text from the request to the first chunk with text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+from bench_prompt_cache import _free_port, _start  # scripts/: starting a server, its port
+
+from mtpcli.example import ensure_example, example_prompts
+
+CONCURRENCY = (1, 4, 8)
+
+
+def _ask(client, model: str, prompt: str, max_tokens: int) -> dict:
+    t0, first, tokens = time.perf_counter(), None, 0
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content and first is None:
+            first = time.perf_counter() - t0
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    return {"latency_s": time.perf_counter() - t0, "ttft_s": first, "tokens": tokens}
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def _level(client, model: str, clients: int, prompts: list[str], args) -> dict:
+    """``clients`` threads, each sending ``args.requests`` requests in turn."""
+    done: list[dict] = []
+    lock = threading.Lock()
+
+    def one(c: int) -> None:
+        for r in range(args.requests):
+            prompt = prompts[(c * args.requests + r) % len(prompts)]
+            out = _ask(client, model, prompt, args.max_tokens)
+            with lock:
+                done.append(out)
+
+    threads = [threading.Thread(target=one, args=(c,)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    lat = [d["latency_s"] for d in done]
+    ttft = [d["ttft_s"] for d in done if d["ttft_s"] is not None]
+    tokens = sum(d["tokens"] for d in done)
+    return {
+        "clients": clients, "requests": len(done), "completion_tokens": tokens, "wall_s": wall,
+        "aggregate_tps": tokens / wall, "latency_p50_s": statistics.median(lat),
+        "latency_p95_s": _pct(lat, 0.95), "ttft_p50_s": statistics.median(ttft),
+        "ttft_p95_s": _pct(ttft, 0.95),
+    }  # fmt: skip
+
+
+def run_server(name: str, argv: list[str], port: int, model: str, prompts: list[str], args,
+               out: Path) -> dict:  # fmt: skip
+    from openai import OpenAI
+
+    proc = _start(argv, port, out / f"{name}.log")
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=900)
+    try:
+        _ask(client, model, "warm up", 8)
+        levels = {c: _level(client, model, c, prompts, args) for c in CONCURRENCY}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    base = levels[1]["aggregate_tps"]
+    return {
+        "levels": list(levels.values()),
+        "aggregate_vs_one_client": {c: v["aggregate_tps"] / base for c, v in levels.items()},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=3, help="requests each client sends")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--logs", type=Path, default=Path("/tmp"))
+    args = ap.parse_args()
+    if args.requests < 1 or args.max_tokens < 1:
+        ap.error("--requests and --max-tokens must be at least 1")
+    target, _ = ensure_example()
+    prompts = example_prompts()
+    load = os.getloadavg()
+    p1, p2, p3 = _free_port(), _free_port(), _free_port()
+    ours = [sys.executable, "-m", "mtpcli", "serve", "--port"]
+    servers = {
+        "ours_mtp": ([*ours, str(p1), "--draft-kind", "mtp"], p1, "example"),
+        "ours_classic": ([*ours, str(p2), "--draft-kind", "none"], p2, "example"),
+        "mlx_lm": ([sys.executable, "-m", "mlx_lm.server", "--model", str(target), "--port",
+                    str(p3)], p3, str(target)),
+    }  # fmt: skip
+    results = {name: run_server(name, argv, port, model, prompts, args, args.logs)
+               for name, (argv, port, model) in servers.items()}  # fmt: skip
+    import mlx.core as mx
+    import mlx_lm
+
+    record = {
+        "what": "concurrent chat clients, built-in example, streaming, temperature 0: aggregate "
+                "completion tokens/s over the wall time, latency and time to first text",
+        "servers": results,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "load_before": load, "load_after": os.getloadavg()},
+        "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
+        "command": f"python scripts/bench_serve.py --requests {args.requests} --max-tokens "
+                   f"{args.max_tokens}",
+    }  # fmt: skip
+    for name, r in results.items():
+        print(name + ": " + "; ".join(
+            f"{v['clients']} clients {v['aggregate_tps']:.1f} tok/s, latency p50 "
+            f"{v['latency_p50_s']:.2f} s p95 {v['latency_p95_s']:.2f} s, ttft p50 "
+            f"{v['ttft_p50_s']:.2f} s" for v in r["levels"]))  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
