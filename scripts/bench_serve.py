@@ -5,9 +5,11 @@ built-in example, each started here in turn and spoken to by the openai client, 
     python scripts/bench_serve.py --requests 3 --max-tokens 64 --json out.json
 
 At each concurrency every client sends ``--requests`` chat requests one after another (the
-example's held-out prompts, a different one each, temperature 0); the aggregate is all their
-completion tokens over the wall time from the first request to the last answer. Latency is a
-request's whole time, time to first text from the request to the first chunk with text.
+example's held-out prompts, each after a line no server has seen, so that none is cached;
+temperature 0). The aggregate is all their completion tokens over the wall time from the first
+request to the last answer, median (min-max) over ``--repeats`` runs of the levels in turn;
+latency (a request's whole time) and time to first text (to the first chunk with text) are
+medians over the runs of each run's p50 and p95.
 """
 
 from __future__ import annotations
@@ -48,14 +50,17 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-def _level(client, model: str, clients: int, prompts: list[str], args) -> dict:
-    """``clients`` threads, each sending ``args.requests`` requests in turn."""
+def _level(client, model: str, clients: int, prompts: list[str], args, run: int) -> dict:
+    """``clients`` threads, each sending ``args.requests`` requests in turn; each prompt opens
+    with a line of its own (``run``, client, request), so that no server finds it cached."""
     done: list[dict] = []
     lock = threading.Lock()
 
     def one(c: int) -> None:
         for r in range(args.requests):
-            prompt = prompts[(c * args.requests + r) % len(prompts)]
+            prompt = (
+                f"# {run}.{clients}.{c}.{r}\n" + prompts[(c * args.requests + r) % len(prompts)]
+            )
             out = _ask(client, model, prompt, args.max_tokens)
             with lock:
                 done.append(out)
@@ -86,26 +91,39 @@ def run_server(name: str, argv: list[str], port: int, model: str, prompts: list[
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=900)
     try:
         _ask(client, model, "warm up", 8)
-        levels = {c: _level(client, model, c, prompts, args) for c in CONCURRENCY}
+        runs: dict[int, list[dict]] = {c: [] for c in CONCURRENCY}
+        for rep in range(args.repeats):  # the levels interleaved, so that drift reaches each
+            for c in CONCURRENCY:
+                runs[c].append(_level(client, model, c, prompts, args, rep))
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    base = levels[1]["aggregate_tps"]
-    return {
-        "levels": list(levels.values()),
-        "aggregate_vs_one_client": {c: v["aggregate_tps"] / base for c, v in levels.items()},
-    }
+    levels = {}
+    for c, rs in runs.items():
+        tps = [r["aggregate_tps"] for r in rs]
+        levels[c] = {
+            "clients": c, "aggregate_tps": {"median": statistics.median(tps), "min": min(tps),
+                                            "max": max(tps)},
+            **{k: statistics.median(r[k] for r in rs)
+               for k in ("latency_p50_s", "latency_p95_s", "ttft_p50_s", "ttft_p95_s")},
+            "runs": rs,
+        }  # fmt: skip
+    base = levels[1]["aggregate_tps"]["median"]
+    return {"levels": list(levels.values()),
+            "aggregate_vs_one_client": {c: v["aggregate_tps"]["median"] / base
+                                        for c, v in levels.items()}}  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=3, help="requests each client sends")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each concurrency level")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--logs", type=Path, default=Path("/tmp"))
     args = ap.parse_args()
-    if args.requests < 1 or args.max_tokens < 1:
-        ap.error("--requests and --max-tokens must be at least 1")
+    if min(args.requests, args.repeats, args.max_tokens) < 1:
+        ap.error("--requests, --repeats and --max-tokens must be at least 1")
     target, _ = ensure_example()
     prompts = example_prompts()
     load = os.getloadavg()
@@ -129,12 +147,13 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "load_before": load, "load_after": os.getloadavg()},
         "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
-        "command": f"python scripts/bench_serve.py --requests {args.requests} --max-tokens "
-                   f"{args.max_tokens}",
+        "command": f"python scripts/bench_serve.py --requests {args.requests} --repeats "
+                   f"{args.repeats} --max-tokens {args.max_tokens}",
     }  # fmt: skip
     for name, r in results.items():
         print(name + ": " + "; ".join(
-            f"{v['clients']} clients {v['aggregate_tps']:.1f} tok/s, latency p50 "
+            f"{v['clients']} clients {v['aggregate_tps']['median']:.1f} tok/s "
+            f"({v['aggregate_tps']['min']:.1f}-{v['aggregate_tps']['max']:.1f}), latency p50 "
             f"{v['latency_p50_s']:.2f} s p95 {v['latency_p95_s']:.2f} s, ttft p50 "
             f"{v['ttft_p50_s']:.2f} s" for v in r["levels"]))  # fmt: skip
     if args.json:
