@@ -283,7 +283,7 @@ class Qwen35Target:
         ]
         self.head_unprobed = gpu and dense(self._head()[0])
 
-    def _fuse(self) -> tuple[dict, dict, dict]:
+    def _fuse(self) -> tuple[dict, dict, set[int]]:
         """Per layer: the input projections (gated-delta: qkv, z, b, a; attention: q, k, v),
         the dense MLP's gate and up, a MoE block's experts and its shared expert's gate and
         up. One product reads the weights of all of a group, and a step launches fewer
