@@ -638,6 +638,7 @@ def run(
     draft_quantize: Sequence[int] = (),
     contexts: Sequence[int] = (),
     read_first: bool = False,
+    check_gate: bool = True,
     options: Options = Options(),
     command: str = "",
     progress: Callable[[str], None] = lambda msg: None,
@@ -648,7 +649,9 @@ def run(
     With ``contexts`` the arms run after a prompt of each of those lengths instead (the first
     prompt's tokens repeated), beside an arm whose rounds the gate chooses, and the gate's
     prediction is made at each length. ``read_first`` adds MTP arms that read each round
-    before building the next. Returns the report's document (``markdown`` renders it)."""
+    before building the next. ``check_gate=False`` skips the gate's calibration and its
+    prediction beside the arms (not with ``contexts``, whose arm the gate drives). Returns the
+    report's document (``markdown`` renders it)."""
     from . import gate
     from . import synthetic as S
     from .config import check_block_size
@@ -737,13 +740,15 @@ def run(
                      progress=progress)  # fmt: skip
     progress("verify-cost table")
     table = verify_cost_table(target, prompts[0], max(3, repeats)) if verify_table else None
-    progress("gate calibration")
-    # the prompts are short: the gate's costs at its shortest context
-    # Split over processes (mlx.launch), every rank must run as many generations: a fixed
-    # count, not as many as fit a time budget (each rank would time its own).
-    budget = math.inf if target.stage is not None else 2.0
-    cal = gate.calibrate(gate_arms(target, drafter), list(blocks), repeats=max(3, repeats),
-                         budget_s=budget)  # fmt: skip
-    gate_doc = gate_check(cal, result, list(blocks), gate.SHORT)
+    gate_doc = None
+    if check_gate:
+        progress("gate calibration")
+        # The prompts are short: the gate's costs at its shortest context. Split over
+        # processes (mlx.launch), every rank must run as many generations: a fixed count, not
+        # as many as fit a time budget (each rank would time its own).
+        budget = math.inf if target.stage is not None else 2.0
+        cal = gate.calibrate(gate_arms(target, drafter), list(blocks), repeats=max(3, repeats),
+                             budget_s=budget)  # fmt: skip
+        gate_doc = gate_check(cal, result, list(blocks), gate.SHORT)
     info = machine() | {"load_before": load_before, "load_after": os.getloadavg()}
     return to_json(result, table, info, settings, gate_doc)

@@ -501,6 +501,12 @@ def bench(
     verify_table: bool = typer.Option(
         True, "--verify-table/--no-verify-table", metavar="", help="Time T = 1..8 forwards."
     ),
+    gate_check: bool = typer.Option(
+        True,
+        "--gate-check/--no-gate-check",
+        metavar="",
+        help="Calibrate the gate and show its predicted speedups beside the measured ones.",
+    ),  # fmt: skip
     draft_quantize: list[int] = typer.Option(
         [],
         "--draft-quantize",
@@ -554,7 +560,7 @@ def bench(
             B.run(model, draft_model, blocks=block_size, repeats=repeats,
                   max_tokens=max_tokens, prompts_file=prompts_file, simulate=simulate_acceptance,
                   verify_table=verify_table, draft_quantize=draft_quantize,
-                  read_first=rounds_read_first, options=options)  # fmt: skip
+                  read_first=rounds_read_first, check_gate=gate_check, options=options)  # fmt: skip
         return
     if out is not None:
         writable_dir(out)  # before the run, whose results would otherwise be lost
@@ -575,8 +581,8 @@ def bench(
                 repeats=repeats, max_tokens=max_tokens, prompts_file=prompts_file,
                 simulate=simulate_acceptance, peers=peers, verify_table=verify_table,
                 draft_quantize=draft_quantize, contexts=context, read_first=rounds_read_first,
-                options=options, command="mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-                progress=progress,
+                check_gate=gate_check, options=options,
+                command="mtp " + " ".join(shlex.quote(a) for a in sys.argv[1:]), progress=progress,
             )  # fmt: skip
     markdown = B.markdown(doc)
     if out is not None:

@@ -68,7 +68,8 @@ def test_simulated_acceptance_controls_acceptance(ckpts, capsys):
 
 
 def test_peers_run_on_the_same_weights(capsys):
-    doc = _bench(capsys, "--block-size", "2", "--peers", "--no-verify-table")
+    doc = _bench(capsys, "--block-size", "2", "--peers", "--no-verify-table",
+                 "--no-gate-check")  # fmt: skip
     assert doc["arms"]["mlx_lm"]["same_tokens_as_classic"] is True
     # mlx-vlm's own MTP decoding of the same checkpoints (installed with the test extra): at
     # temperature 0 its tokens equal our classic tokens over these short generations (over
@@ -105,7 +106,8 @@ def test_a_peer_that_cannot_load_the_pair_becomes_a_note(capsys, monkeypatch):
         raise TypeError("missing 1 required positional argument")
 
     monkeypatch.setattr(bench.MlxVlmPeer, "__init__", refuse)
-    doc = _bench(capsys, "--block-size", "2", "--peers", "--no-verify-table")
+    doc = _bench(capsys, "--block-size", "2", "--peers", "--no-verify-table",
+                 "--no-gate-check")  # fmt: skip
     assert not any(k.startswith("mlx_vlm") for k in doc["arms"]) and "mlx_lm" in doc["arms"]
     assert doc["settings"]["peer_notes"] == [
         "mlx-vlm: could not load this pair (TypeError: missing 1 required positional argument)"
@@ -123,7 +125,7 @@ def test_synthetic_shape_and_prompts_file(capsys, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt\n\nsecond prompt, a little longer\n")
     doc = _bench(capsys, "--synthetic", "tiny", "--bits", "4", "--prompts", str(prompts),
-                 "--block-size", "2", "--no-verify-table")  # fmt: skip
+                 "--block-size", "2", "--no-verify-table", "--no-gate-check")  # fmt: skip
     assert doc["settings"]["prompts"] == 2 and "synthetic tiny 4-bit" in doc["settings"]["model"]
     assert doc["arms"]["mtp-2"]["same_tokens_as_classic"] is True
     # How blocks were submitted is part of what a figure means: the default, recorded.
@@ -143,9 +145,10 @@ def test_synthetic_moe_shape(capsys):
     big = synthetic.SHAPES["qwen3.5-35b-a3b"]  # built on the GPU machine only (~35B weights)
     assert big["num_experts"] == 256 and big["num_experts_per_tok"] == 8
     doc = _bench(capsys, "--synthetic", "tiny-moe", "--bits", "4", "--block-size", "3",
-                 "--no-verify-table", "-n", "6")  # fmt: skip
+                 "--no-gate-check", "--no-verify-table", "-n", "6")  # fmt: skip
     assert "synthetic tiny-moe 4-bit" in doc["settings"]["model"]
     assert doc["arms"]["mtp-3"]["same_tokens_as_classic"] is True
+    assert doc["gate"] is None  # --no-gate-check: no calibration
 
 
 def test_prompt_files_take_json_strings_for_multiline_prompts(tmp_path):
@@ -187,7 +190,7 @@ def test_peers_on_a_synthetic_model_and_no_timed_run_starts_on_dropped_traces(ca
     monkeypatch.setattr(bench, "run_arm", timed_run)
     capsys.readouterr()
     args = ["bench", "--synthetic", "tiny", "--block-size", "2", "--peers", "--no-verify-table",
-            "--qmm", "ours", "--repeats", "2", "-n", "6", "--json"]  # fmt: skip
+            "--qmm", "ours", "--repeats", "2", "-n", "6", "--no-gate-check", "--json"]  # fmt: skip
     assert run(args) == 0
     assert cold == []
     doc = json.loads(capsys.readouterr().out)
@@ -199,7 +202,8 @@ def test_the_report_to_a_pipe_keeps_its_tables_whole(capsys):
     """Not to a terminal (a file, a pipe, the device tool's log), the report is its Markdown:
     every arm's row has its median and min-max, not Rich's 80-column cut."""
     capsys.readouterr()
-    assert run(["bench", "--repeats", "1", "-n", "8", "--no-verify-table"]) == 0
+    args = ["bench", "--repeats", "1", "-n", "8", "--no-verify-table", "--no-gate-check"]
+    assert run(args) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| classic") or
             line.startswith("| mtp block")]  # fmt: skip

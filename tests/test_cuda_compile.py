@@ -105,10 +105,8 @@ def test_convolution_kernel_compiles_without_spills(tmp_path):
 
 
 VARIANTS = [qm.PLAIN, qm.Variant(residual=True), qm.Variant(1e-6), qm.Variant(swiglu=True),
-            qm.Variant(1e-6, swiglu=True), qm.Variant(1e-6, residual=True),
-            qm.Variant(gathered=True), qm.Variant(swiglu=True, gathered=True)]  # fmt: skip
-VARIANT_IDS = ["plain", "residual", "norm", "swiglu", "norm_swiglu", "norm_residual", "gathered",
-               "gathered_swiglu"]  # fmt: skip
+            qm.Variant(1e-6, swiglu=True), qm.Variant(1e-6, residual=True)]  # fmt: skip
+VARIANT_IDS = ["plain", "residual", "norm", "swiglu", "norm_swiglu", "norm_residual"]
 
 
 def _product(variant: qm.Variant, xt: str, bits: int, group_size: int = 64,
@@ -146,8 +144,18 @@ def test_quantized_matmul_variants_fit_four_blocks_per_multiprocessor(tmp_path, 
     report = _compile(tmp_path, _product(variant, xt, bits))
     assert _no_spills(report), report
     used = int(re.search(r"Used (\d+) registers", report).group(1))
-    blocks = 3 if variant.gathered else 4  # the gathered ones: see qmm_kernel.NORM_MIN_BLOCKS
-    assert used * 32 * qm.WARPS * blocks <= 65536, used
+    assert used * 32 * qm.WARPS * 4 <= 65536, used
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_gathered_products_compile_without_spills(tmp_path, swiglu, bits):
+    """A MoE layer's expert products (bf16 activations): no spills, 3 blocks a multiprocessor
+    (unbounded: see qmm_kernel.NORM_MIN_BLOCKS)."""
+    report = _compile(tmp_path, _product(qm.Variant(swiglu=swiglu, gathered=True), BF16, bits))
+    assert _no_spills(report), report
+    used = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert used * 32 * qm.WARPS * 3 <= 65536, used
 
 
 @pytest.mark.parametrize("bits", qm.BITS)
