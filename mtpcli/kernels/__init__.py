@@ -280,6 +280,28 @@ def use_native(name: str, key: tuple, check: Callable[[], str | None], mode: str
     return _verdicts[(name, key)]
 
 
+def product_verdict(got: dict[int, mx.array], want: mx.array) -> str | None:
+    """A row-invariant product's self-check: ``got`` maps row counts (the largest last) to the
+    kernel's outputs for the first rows of one input, ``want`` is the reference's for all of
+    them. None when the largest is within 2% of the reference's scale and each smaller one
+    equals its rows bitwise, else why not."""
+    for a in got.values():
+        if not isinstance(a, mx.array):
+            return f"gives {type(a).__name__}, not one array"
+    rows = sorted(got)
+    top = got[rows[-1]]
+    if top.shape != want.shape:
+        return f"outputs have the shape {top.shape}, not {want.shape}"
+    a, b = top.astype(mx.float32), want.astype(mx.float32)
+    err = mx.abs(a - b).max().item()
+    if not err <= 2e-2 * mx.abs(b).max().item():
+        return f"outputs differ from the reference by up to {err:.3g}"
+    for m in rows[:-1]:
+        if not mx.array_equal(got[m], top[:m]).item():
+            return f"rows of {m} differ from the same rows among {rows[-1]}"
+    return None
+
+
 def trusted(name: str, key: tuple, mode: str) -> bool:
     """Whether kernel ``name`` runs for ``key`` under ``mode`` with no check still to come:
     ``native``, or ``auto`` once its check passed in this process (a graph compiled around it

@@ -578,18 +578,18 @@ def launch(
     extra = [a for a in (norm_weight, residual) if a is not None]
     return k(
         inputs=[x, w, scales, biases, *extra],
-        template=[
-            ("XT", x.dtype),
-            ("ST", scales.dtype),
-            ("BITS", bits),
-            ("GS", group_size),
-            ("WARPS", warps),
-        ],  # fmt: skip
+        template=_template(x, scales, bits, group_size, warps),
         grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[(*lead, n_out)],
         output_dtypes=[x.dtype],
     )[0]
+
+
+def _template(x: mx.array, scales: mx.array, bits: int, group_size: int, warps: int) -> list:
+    """The template arguments every variant takes."""
+    return [("XT", x.dtype), ("ST", scales.dtype), ("BITS", bits), ("GS", group_size),
+            ("WARPS", warps)]  # fmt: skip
 
 
 def launch_gathered(
@@ -605,13 +605,7 @@ def launch_gathered(
     n_out, groups = launch_shape(w.shape[1] * (2 if swiglu else 1), swiglu)
     return k(
         inputs=[x, w, scales, biases, indices],
-        template=[
-            ("XT", x.dtype),
-            ("ST", scales.dtype),
-            ("BITS", bits),
-            ("GS", group_size),
-            ("WARPS", warps),
-        ],  # fmt: skip
+        template=_template(x, scales, bits, group_size, warps),
         grid=(32 * warps * groups, indices.size, 1),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[(*indices.shape, n_out)],

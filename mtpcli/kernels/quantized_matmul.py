@@ -17,7 +17,7 @@ import math
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu as _swiglu
 
-from . import backend, use_native
+from . import backend, product_verdict, use_native
 from .qmm_kernel import BITS, GROUP_SIZES, MAX_ROWS, PLAIN, Variant, launch
 
 
@@ -76,31 +76,23 @@ def _self_check(dtype, sdtype, group_size: int, bits: int, variant: Variant = PL
         mx.eval(got, want)
     except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
         return f"{type(e).__name__}: {e}"
-    for m in (1, 3, 8):
-        if not isinstance(got[m], mx.array):
-            return f"gives {type(got[m]).__name__}, not one array"
-    if got[8].shape != want.shape:
-        return f"outputs have the shape {got[8].shape}, not {want.shape}"
-    a, b = got[8].astype(mx.float32), want.astype(mx.float32)
-    err = mx.abs(a - b).max().item()
-    if not err <= 2e-2 * mx.abs(b).max().item():
-        return f"outputs differ from the reference by up to {err:.3g}"
-    for m in (1, 3):
-        if not mx.array_equal(got[m], got[8][:m]).item():
-            return f"rows of an {m}-row product differ from the same rows of an 8-row product"
-    return None
+    return product_verdict(got, want)
 
 
-def supported(x: mx.array, w: mx.array, group_size: int, bits: int) -> bool:
-    """Whether the native kernel's layout covers this product (else the reference runs)."""
-    k = x.shape[-1]
+def fits(x: mx.array, group_size: int, bits: int) -> bool:
+    """Whether the native kernels' layout takes activations ``x`` [..., K] and weights of these
+    bits and groups (dense and gathered alike)."""
     return (
         x.dtype in (mx.bfloat16, mx.float16)
         and bits in BITS
         and group_size in GROUP_SIZES
-        and k % (16 * 32 // bits) == 0
-        and w.ndim == 2
+        and x.shape[-1] % (16 * 32 // bits) == 0
     )
+
+
+def supported(x: mx.array, w: mx.array, group_size: int, bits: int) -> bool:
+    """Whether the native kernel's layout covers this product (else the reference runs)."""
+    return fits(x, group_size, bits) and w.ndim == 2
 
 
 def _native(
