@@ -384,6 +384,15 @@ def serve(
         help="Memory for snapshots of processed prompts, reused by requests that start the "
         "same way (0: off).",
     ),  # fmt: skip
+    max_batch: int = typer.Option(
+        1,
+        "--max-batch",
+        min=1,
+        max=64,
+        help="Requests that decode together, in classic steps, each joining and leaving "
+        "between steps (1: one at a time, with MTP where the gate engages it). Tokens are "
+        "those each request decodes alone.",
+    ),  # fmt: skip
 ) -> None:
     """Serve the target over an OpenAI-compatible HTTP API.
 
@@ -398,6 +407,10 @@ def serve(
     if launched():
         raise PipelineError("mtp serve runs in one process; start it without mlx.launch (a "
                             "pipelined target runs with mtp generate)")  # fmt: skip
+    if max_batch > 1 and (draft_kind == "mtp" or draft_block_size is not None):
+        raise UsageError("--max-batch above 1 decodes classic steps; MTP rounds (--draft-kind "
+                         "mtp, --draft-block-size) run one request at a time: choose "
+                         "one")  # fmt: skip
     check_port(host, port)  # before minutes of loading
     loaded = _load(model, draft_model, draft_kind, draft_block_size, draft_quantize,
                    Options(kernels=kernels, qmm=qmm))  # fmt: skip
@@ -405,6 +418,7 @@ def serve(
         loaded, model_name or model or "example", host=host, port=port,
         block_size=draft_block_size, force_mtp=draft_kind == "mtp",
         default_max_tokens=max_tokens, note=_note, prompt_cache_bytes=prompt_cache_bytes,
+        max_batch=max_batch,
     )  # fmt: skip
     if stopped_by == signal.SIGINT:
         raise Interrupted("interrupted")

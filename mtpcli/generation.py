@@ -209,38 +209,57 @@ def generate(
         tokens = generate_classic(target, ids, max_tokens=max_tokens, sampling=sampling,
                                   eos_ids=eos, stats=stats, on_prefill=on_prefill,
                                   prompt_cache=prompt_cache, boundaries=boundaries)  # fmt: skip
-    detok = tokenizer.detokenizer
-    detok.reset()
-    out_ids: list[int] = []
-    shown = StopText(stop)
+    text = TextOut(tokenizer, stop, on_text)
     finish = None
     try:
         for t in tokens:
             if cancelled():
                 finish = "cancelled"
                 break
-            out_ids.append(t)
-            detok.add_token(t)
-            _emit(on_text, shown.feed(detok.last_segment))  # reading it advances the detokenizer
-            if shown.hit:
+            if text.add(t):
                 finish = "stop"
                 break
     finally:
         tokens.close()  # the engine's own clean-up runs now, not when it is collected
-    if finish is None:
-        detok.finalize()
-        _emit(on_text, shown.feed(detok.last_segment))
-        finish = "length" if len(out_ids) >= max_tokens else "stop"
-    _emit(on_text, shown.flush())
     if engaged:
         gate.remember(pair.pair_key, stats.mtp, note=note)
-    return GenerateResult(
-        text=shown.text, tokens=out_ids, draft_kind=pair.draft_kind,
-        block_size=decision.block if decision else None, mtp_engaged=engaged,
-        gate_reason=decision.reason if decision else None,
-        expected_speedup=decision.expected_speedup if decision else None, stats=stats,
-        finish_reason=finish, mtp_from_context=decision.starts_at if decision else None,
-    )  # fmt: skip
+    return text.result(pair, finish, max_tokens, stats, decision)
+
+
+class TextOut:
+    """A generation's tokens as streamed text: decoded as they come, cut before the first of
+    the ``stop`` strings (``StopText``), handed to ``on_text``."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = (),
+                 on_text: Callable[[str], None] = _silent) -> None:  # fmt: skip
+        self.detok = tokenizer.detokenizer  # a fresh one
+        self.shown = StopText(stop)
+        self.on_text = on_text
+        self.ids: list[int] = []
+
+    def add(self, token: int) -> bool:
+        """Take one token; whether the text now holds a stop string (the generation ends)."""
+        self.ids.append(token)
+        self.detok.add_token(token)
+        _emit(self.on_text, self.shown.feed(self.detok.last_segment))  # reading it advances it
+        return self.shown.hit
+
+    def result(self, pair: Loaded, finish: str | None, max_tokens: int, stats: GenerationStats,
+               decision: gate.GateDecision | None = None) -> GenerateResult:  # fmt: skip
+        """The text's end (``finish`` None: the tokens ran out, at EOS or ``max_tokens``)."""
+        if finish is None:
+            self.detok.finalize()
+            _emit(self.on_text, self.shown.feed(self.detok.last_segment))
+            finish = "length" if len(self.ids) >= max_tokens else "stop"
+        _emit(self.on_text, self.shown.flush())
+        return GenerateResult(
+            text=self.shown.text, tokens=self.ids, draft_kind=pair.draft_kind,
+            block_size=decision.block if decision else None,
+            mtp_engaged=decision is not None and decision.engaged,
+            gate_reason=decision.reason if decision else None,
+            expected_speedup=decision.expected_speedup if decision else None, stats=stats,
+            finish_reason=finish, mtp_from_context=decision.starts_at if decision else None,
+        )  # fmt: skip
 
 
 def made_up_prompt(length: int, vocab: int) -> list[int]:

@@ -24,10 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import check_room
+from .engine.batch import Batch
 from .engine.prompt_cache import PromptCache
 from .engine.sampling import SamplingParams
 from .errors import ContextTooLongError, MtpError, SamplingError, ServeError, UsageError
-from .generation import GenerateResult, generate
+from .gate import GateDecision
+from .generation import GenerateResult, TextOut, generate
 from .loading import Loaded
 from .tokenizer import encode_messages, encode_prompt, message_ends
 
@@ -74,41 +76,109 @@ class Job:
 
 
 class Decoder:
-    """Decodes queued jobs one at a time with a loaded pair (``run`` on the main thread)."""
+    """Decodes queued jobs with a loaded pair (``run`` on the main thread): one at a time
+    through ``generate`` (the gate, MTP), or with ``max_batch`` above 1 up to that many at once
+    in classic steps (``engine/batch.py``), each joining and leaving between steps."""
 
     def __init__(self, loaded: Loaded, block_size: int | None = None, force_mtp: bool = False,
                  note: Callable[[str], None] = lambda msg: None,
-                 prompt_cache_bytes: int = 0):  # fmt: skip
+                 prompt_cache_bytes: int = 0, max_batch: int = 1):  # fmt: skip
         self.loaded, self.block_size, self.force_mtp = loaded, block_size, force_mtp
         self.note = note
         self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
+        self.max_batch = max_batch
         self.jobs: queue.Queue[Job] = queue.Queue()
-        self.busy = False
         self.served = 0
         self.cancelled = 0
         self.stopping = False
-        self.current: Job | None = None
+        self.running: list[Job] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
 
     def run(self, keep_going: Callable[[], bool]) -> None:
+        if self.max_batch > 1:
+            self._run_batched(keep_going)
+            return
         while keep_going() and not self.stopping:
             try:
                 job = self.jobs.get(timeout=0.1)
             except queue.Empty:
                 continue
-            self.busy, self.current = True, job
+            self.running = [job]
             try:
                 self.decode(job)
             finally:
-                self.busy, self.current = False, None
+                self.running = []
+
+    def _run_batched(self, keep_going: Callable[[], bool]) -> None:
+        """Decode up to ``max_batch`` jobs at once: queued ones join between steps (their prompt
+        processed alone meanwhile), each leaves at its end, and a job whose client left is
+        dropped at the next step."""
+        batch = Batch(self.loaded.target)
+        reason = (f"off: up to {self.max_batch} requests decode together in classic steps "
+                  "(--max-batch)")  # fmt: skip
+        decision = GateDecision(False, self.block_size or 1, reason, None)
+        while keep_going() and (batch.rows or not self.stopping):
+            while len(batch.rows) < self.max_batch and not self.stopping:
+                try:
+                    job = self.jobs.get(timeout=0 if batch.rows else 0.1)
+                except queue.Empty:
+                    break
+                self._join(batch, job)
+            if not batch.rows:
+                continue
+            ended = []
+            for e in batch.step():
+                job, text = e.row.owner
+                finish, done = None, e.ended
+                if job.cancel.is_set():
+                    finish, done = "cancelled", True
+                elif e.token is not None and text.add(e.token):
+                    finish, done = "stop", True
+                if done:
+                    ended.append(e.row)
+                    result = text.result(self.loaded, finish, job.max_tokens, e.row.stats,
+                                         decision)  # fmt: skip
+                    self._finished(job, result)
+            batch.drop(ended)
+            self.running = [r.owner[0] for r in batch.rows]
+
+    def _join(self, batch: Batch, job: Job) -> None:
+        """Start ``job`` in ``batch``, or answer it at once (its client left, a bad request)."""
+        if job.cancel.is_set():
+            self.cancelled += 1
+            return
+        text = TextOut(self.loaded.tokenizer, job.stop, lambda t: job.put("text", t))
+        try:
+            batch.add(job.ids, owner=(job, text), max_tokens=job.max_tokens,
+                      sampling=job.sampling, seed=job.seed, eos_ids=self.eos,
+                      prompt_cache=self.prompt_cache, boundaries=job.boundaries)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - one failed request must not stop the others
+            job.put("error", _failed(e))
+            return
+        self.running.append(job)
+
+    @property
+    def eos(self) -> set[int]:
+        return set(self.loaded.tokenizer.eos_token_ids) | set(
+            self.loaded.target.config.eos_token_ids
+        )
+
+    def _finished(self, job: Job, result: GenerateResult) -> None:
+        self.served += 1
+        self.cancelled += result.finish_reason == "cancelled"
+        job.put("done", result)
 
     def stop(self) -> None:
-        """Stop taking jobs; the one decoding ends at its next token (from a signal handler)."""
+        """Stop taking jobs; those decoding end at their next token (from a signal handler)."""
         self.stopping = True
-        if self.current is not None:
-            self.current.cancel.set()
+        for job in list(self.running):
+            job.cancel.set()
 
     def refuse_queued(self) -> None:
         """Answer every job still queued with a 503 (the server is stopping)."""
@@ -133,18 +203,19 @@ class Decoder:
                 on_text=lambda text: job.put("text", text), note=self.note,
                 prompt_cache=self.prompt_cache, boundaries=job.boundaries,
             )  # fmt: skip
-        except MtpError as e:
-            job.put("error", BadRequest(400 if isinstance(e, UsageError) else 500, str(e),
-                                        kind="invalid_request_error" if isinstance(e, UsageError)
-                                        else "server_error"))  # fmt: skip
-            return
         except Exception as e:  # noqa: BLE001 - one failed request must not stop the server
-            job.put("error", BadRequest(500, f"decoding failed: {type(e).__name__}: {e}",
-                                        kind="server_error"))  # fmt: skip
+            job.put("error", _failed(e))
             return
-        self.served += 1
-        self.cancelled += result.finish_reason == "cancelled"
-        job.put("done", result)
+        self._finished(job, result)
+
+
+def _failed(e: Exception) -> BadRequest:
+    """The answer to a request whose decoding raised ``e``."""
+    if isinstance(e, MtpError):
+        bad = isinstance(e, UsageError)
+        return BadRequest(400 if bad else 500, str(e),
+                          kind="invalid_request_error" if bad else "server_error")  # fmt: skip
+    return BadRequest(500, f"decoding failed: {type(e).__name__}: {e}", kind="server_error")
 
 
 def _int(body: dict, name: str, default: int | None, low: int, high: int) -> int | None:
@@ -277,9 +348,11 @@ class Server:
         return JSONResponse({
             "status": "ok", "model": self.model_id, "draft_kind": loaded.draft_kind,
             "draft_model": str(loaded.drafter_dir) if loaded.drafter_dir else None,
-            "decoding": d.busy, "queued": d.jobs.qsize(), "served": d.served,
-            "cancelled": d.cancelled,
-            "concurrency": "one request decodes at a time; the others wait in a queue",
+            "decoding": d.busy, "rows": len(d.running), "max_batch": d.max_batch,
+            "queued": d.jobs.qsize(), "served": d.served, "cancelled": d.cancelled,
+            "concurrency": "one request decodes at a time; the others wait in a queue"
+            if d.max_batch == 1 else f"up to {d.max_batch} requests decode together in "
+            "classic steps; the others wait in a queue",
             "prompt_cache": _prompt_cache(d.prompt_cache),
         })  # fmt: skip
 
@@ -508,14 +581,15 @@ def check_port(host: str, port: int) -> None:
 def serve(loaded: Loaded, model_id: str, *, host: str = "127.0.0.1", port: int = 8080,
           block_size: int | None = None, force_mtp: bool = False, default_max_tokens: int = 256,
           note: Callable[[str], None] = lambda msg: None,
-          prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES) -> int | None:  # fmt: skip
+          prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
+          max_batch: int = 1) -> int | None:  # fmt: skip
     """Serve ``loaded`` until Ctrl-C, SIGTERM or the HTTP server stops. Returns the signal
     that stopped it (None otherwise), once the decoding request has ended with a last event,
     the queued ones got a 503 and the HTTP side closed (within ``STOP_BOUND_S``)."""
     import uvicorn
 
     check_port(host, port)
-    decoder = Decoder(loaded, block_size, force_mtp, note, prompt_cache_bytes)
+    decoder = Decoder(loaded, block_size, force_mtp, note, prompt_cache_bytes, max_batch)
     app = Server(decoder, model_id, default_max_tokens).app()
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level="warning", lifespan="off",

@@ -31,12 +31,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(tmp) -> tuple[subprocess.Popen, str]:
-    """The built-in example served with MTP forced (every request runs the MTP engine), up."""
+def _start(tmp, options=("--draft-kind", "mtp")) -> tuple[subprocess.Popen, str]:
+    """The built-in example served (by default with MTP forced: every request runs the MTP
+    engine), up."""
     port = _free_port()
     log = open(tmp / "serve.log", "w")  # noqa: SIM115 - the process holds it
     env = dict(os.environ, MTP_CACHE_DIR=str(tmp / "cache"))
-    argv = [sys.executable, "-m", "mtpcli", "serve", "--draft-kind", "mtp", "--port", str(port)]
+    argv = [sys.executable, "-m", "mtpcli", "serve", *options, "--port", str(port)]
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     log.close()
     base = f"http://127.0.0.1:{port}"
@@ -388,3 +389,86 @@ def test_a_shared_system_prompt_is_processed_once_and_answers_stay_exact(server)
     after = httpx.get(f"{server}/health").json()["prompt_cache"]
     assert after["hits"] == health["hits"] + 1 and after["tokens_reused"] > 512
     assert 0 < after["bytes"] <= after["max_bytes"] == 2 << 30
+
+
+@pytest.fixture(scope="module")
+def batched(tmp_path_factory):
+    """The example served with up to 4 requests decoding together."""
+    tmp = tmp_path_factory.mktemp("serve-batched")
+    proc, base = _start(tmp, ("--max-batch", "4"))
+    yield base
+    proc.terminate()
+    assert proc.wait(timeout=20) == 0
+
+
+def test_requests_decoding_together_are_answered_exactly(batched, reference):
+    """Twelve requests at once through a batch of 4 (joining as others leave, different
+    lengths, chat and completions, one with a stop string): each text is ``mtp generate``'s."""
+    cases = [(PROMPTS[i % 4], i % 2 == 0, 6 + i % 5 * 7) for i in range(12)]
+    stop = reference(PROMPTS[1], False, 20)["text"][5:9]
+
+    async def ask(client, prompt, chat, n, stop=None):
+        if chat:
+            body = {"model": "example", "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": n}  # fmt: skip
+            r = await client.post("/v1/chat/completions", json=body)
+            return r.json()["choices"][0]["message"]["content"]
+        body = {"model": "example", "prompt": prompt, "max_tokens": n} | (
+            {"stop": stop} if stop else {})  # fmt: skip
+        r = await client.post("/v1/completions", json=body)
+        return r.json()["choices"][0]["text"]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=batched, timeout=300) as client:
+            tasks = [asyncio.create_task(ask(client, *c)) for c in cases]
+            tasks.append(asyncio.create_task(ask(client, PROMPTS[1], False, 20, stop)))
+            rows = 0
+            while not all(t.done() for t in tasks):
+                rows = max(rows, (await client.get("/health")).json()["rows"])
+                await asyncio.sleep(0.02)
+            return [t.result() for t in tasks], rows
+
+    texts, rows = asyncio.run(main())
+    assert texts[:-1] == [reference(*c)["text"] for c in cases]
+    assert texts[-1] == reference(PROMPTS[1], False, 20)["text"][:5]
+    assert 2 <= rows <= 4  # they decoded together, never more than --max-batch
+
+
+def test_a_row_whose_client_leaves_frees_its_place(batched, reference):
+    before = httpx.get(f"{batched}/health").json()["cancelled"]
+    body = {"model": "example", "prompt": PROMPTS[0], "max_tokens": 3000, "stream": True}
+    with httpx.stream("POST", f"{batched}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line).startswith("data: {")
+    _wait_until_cancelled(batched, before, 60)
+    assert httpx.get(f"{batched}/health").json()["rows"] == 0
+    ok = httpx.post(f"{batched}/v1/completions", timeout=120,
+                    json={"model": "example", "prompt": PROMPTS[3], "max_tokens": 12})  # fmt: skip
+    assert ok.json()["choices"][0]["text"] == reference(PROMPTS[3], False, 12)["text"]
+
+
+def test_sigterm_ends_every_row_of_a_batch_with_a_last_event(tmp_path):
+    proc, base = _start(tmp_path, ("--max-batch", "2"))
+    body = {"model": "example", "prompt": PROMPTS[0], "max_tokens": 3000, "stream": True}
+    ends: list = []
+
+    def stream():
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            ends.append([line for line in r.iter_lines() if line][-2:])
+
+    try:
+        threads = [threading.Thread(target=stream) for _ in range(2)]
+        for t in threads:
+            t.start()
+        while httpx.get(f"{base}/health").json()["rows"] < 2:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=30)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    assert len(ends) == 2
+    for last, done in ends:
+        assert done == "data: [DONE]"
+        assert json.loads(last[len("data: ") :])["choices"][0]["finish_reason"] == "cancelled"

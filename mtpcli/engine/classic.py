@@ -35,6 +35,42 @@ def read_token(seen: mx.array, position: int) -> int:
     return int(token)
 
 
+def start_classic(
+    target: Target,
+    prompt,
+    max_tokens: int,
+    sampling: SamplingParams,
+    stats: GenerationStats,
+    on_prefill: Callable[[int, int], None] | None = None,
+    prompt_cache: PromptCache | None = None,
+    boundaries: Collection[int] = (),
+    key: mx.array | None = None,
+) -> tuple[list, mx.array, mx.array]:
+    """Process the prompt (from the ``prompt_cache``'s longest snapshot it starts with, leaving
+    its own there) and pick the first token (with ``key`` where sampled, see ``KeyChain``):
+    the cache, that token and its ``readback``, evaluated; the prompt's figures in ``stats``."""
+    tokens = prompt_array(prompt)
+    check_room(target, tokens.shape[1], max_tokens)
+    start = time.perf_counter()
+    ps = PromptStart(prompt_cache, tokens[0].tolist(), boundaries)
+    cache = target.restore(ps.snapshot.target) if ps.snapshot else target.make_cache()
+    hidden = target.prefill(
+        tokens,
+        cache,
+        on_prefill,
+        every_position=False,
+        start=ps.start,
+        on_cut=lambda p: ps.cut(target, cache, p),
+        cuts=ps.boundaries,
+    )  # [1, 1, H]
+    y, lse = pick_checked(first_logits(target, hidden), sampling, key)
+    seen = readback(y, lse)  # [2]: the token and its logsumexp
+    mx.eval(y, seen)
+    stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
+    stats.prompt_cached = ps.start
+    return cache, y, seen
+
+
 def generate_classic(
     target: Target,
     prompt,
@@ -52,25 +88,8 @@ def generate_classic(
     resumes from its longest snapshot there and leaves its own (at ``boundaries`` too)."""
     stats = stats if stats is not None else GenerationStats()
     eos = set(eos_ids)
-    tokens = prompt_array(prompt)
-    check_room(target, tokens.shape[1], max_tokens)
-    start = time.perf_counter()
-    ps = PromptStart(prompt_cache, tokens[0].tolist(), boundaries)
-    cache = target.restore(ps.snapshot.target) if ps.snapshot else target.make_cache()
-    hidden = target.prefill(
-        tokens,
-        cache,
-        on_prefill,
-        every_position=False,
-        start=ps.start,
-        on_cut=lambda p: ps.cut(target, cache, p),
-        cuts=ps.boundaries,
-    )  # [1, 1, H]
-    y, lse = pick_checked(first_logits(target, hidden), sampling)
-    seen = readback(y, lse)  # [2]: the token and its logsumexp
-    mx.eval(y, seen)
-    stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
-    stats.prompt_cached = ps.start
+    cache, y, seen = start_classic(target, prompt, max_tokens, sampling, stats, on_prefill,
+                                   prompt_cache, boundaries)  # fmt: skip
     start = time.perf_counter()
     n = 0
     try:

@@ -86,13 +86,27 @@ def pick(logits: mx.array, s: SamplingParams) -> mx.array:
     return pick_checked(logits, s)[0]
 
 
-def pick_checked(logits: mx.array, s: SamplingParams) -> tuple[mx.array, mx.array]:
+def pick_checked(logits: mx.array, s: SamplingParams,
+                 key: mx.array | None = None) -> tuple[mx.array, mx.array]:  # fmt: skip
     """``pick`` and the logits' logsumexp [..., 1] for ``check_finite`` (at temperature 0 the
-    one greedy takes anyway, so the check adds no launch there)."""
+    one greedy takes anyway, so the check adds no launch there). A sample draws with ``key``
+    where given, else from MLX's global key sequence."""
     if s.greedy:
         return greedy_checked(logits)
-    return (mx.random.categorical(mx.log(probs(logits, s))),
+    return (mx.random.categorical(mx.log(probs(logits, s)), key=key),
             mx.logsumexp(logits, axis=-1, keepdims=True))  # fmt: skip
+
+
+class KeyChain:
+    """A request's own random keys, drawn in the order MLX's global sequence would give them
+    after ``mx.random.seed(seed)``: a request sampled in a batch draws what it draws alone."""
+
+    def __init__(self, seed: int) -> None:
+        self.key = mx.random.key(seed)
+
+    def next(self) -> mx.array:
+        self.key, sub = mx.random.split(self.key)
+        return sub
 
 
 def readback(ids: mx.array, lse: mx.array) -> mx.array:

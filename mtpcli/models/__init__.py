@@ -67,6 +67,15 @@ class Target(Protocol):
         """A cache to decode on, holding what the ``snapshot`` held."""
         ...
 
+    def join_rows(self, batch: list | None, cache: list) -> list:
+        """The caches of a batch of requests (``forward`` decodes one token of each row) with a
+        request's own one-row ``cache`` added as the last row (``batch`` None: a new batch)."""
+        ...
+
+    def keep_rows(self, batch: list, rows: list[int]) -> list:
+        """The batch's caches with only ``rows`` (indices, in order) left."""
+        ...
+
     def lm_head(self, hidden: mx.array, exact: bool = False) -> mx.array:
         """Logits [B, T, V] of hidden states [B, T, H]; ``exact`` rows as in a verify."""
         ...

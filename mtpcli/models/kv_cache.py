@@ -115,3 +115,9 @@ class GraphKV:
         """Write T rows at the device length (the buffers fit them: ``RowsKVCache.reserve``)."""
         self.keys = mx.slice_update(self.keys, keys, self._length, axes=(2,))
         self.values = mx.slice_update(self.values, values, self._length, axes=(2,))
+
+
+class RowCaches(list):
+    """One attention layer's caches in a batch of requests (``engine/batch.py``): each row's
+    own ``RowsKVCache``. Rows hold different lengths; each row's attention reads its own
+    cache alone, so its arithmetic is the one it has decoding by itself."""

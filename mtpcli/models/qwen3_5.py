@@ -32,7 +32,7 @@ from ..layout import gather, stores_w_minus_1
 from ..options import Options
 from ..weights import load_arrays, load_module_weights, read_inventory
 from . import ForwardOut, GatedDeltaTrace
-from .kv_cache import GraphKV, RowsKVCache, held
+from .kv_cache import GraphKV, RowCaches, RowsKVCache, held
 from .pipeline import Stage, hand_on, receive
 from .quantized_layers import (
     FusedExperts,
@@ -149,15 +149,15 @@ class LayerFunctions:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._fns: dict = {}  # (key, compiled) -> function
-        self._warm: set[int] = set()  # block lengths that ran op by op once
+        self._warm: set[tuple[int, int]] = set()  # (block length, rows) that ran op by op once
 
-    def begin(self, T: int) -> bool:
-        """Start a pass over T tokens; whether it runs compiled."""
-        return self.enabled and T <= COMPILE_MAX_T and T in self._warm
+    def begin(self, T: int, B: int = 1) -> bool:
+        """Start a pass over T tokens of B rows; whether it runs compiled."""
+        return self.enabled and T <= COMPILE_MAX_T and (T, B) in self._warm
 
-    def end(self, T: int) -> None:
+    def end(self, T: int, B: int = 1) -> None:
         if T <= COMPILE_MAX_T:
-            self._warm.add(T)
+            self._warm.add((T, B))
 
     def get(self, key: tuple, make: Callable[[], Callable], compiled: bool) -> Callable:
         fn = self._fns.get((key, compiled))
@@ -421,6 +421,11 @@ class Qwen35Target:
         sig = policy.signature(layer)
         pre, post = self._fn("pre", i, compiled=compiled), self._fn("post", i, compiled=compiled)
         q, k, v, gate = policy.rows(pre, (h,), verify, (sig, "pre"), not self.unprobed[i])
+        if isinstance(cache, RowCaches):  # a batch of requests: each row on its own cache
+            o = mx.concatenate(
+                [attention_core(m, *(x[b : b + 1] for x in (q, k, v, gate)), None, c, self.mode)
+                 for b, c in enumerate(cache)], axis=0)  # fmt: skip
+            return post(h, o)
         rope = rows_rope(m, cache, T)
         self._pass_native = self._pass_native and native_block(
             q, k, cache.keys, m.q_norm.weight, m.q_norm.eps, rope, m.scale, self.mode
@@ -467,16 +472,18 @@ class Qwen35Target:
         settles the kernels' self-checks outside any trace).
         """
         T = tokens.shape[1]
-        if (T, verify) in self._graph_ready and self._kv(cache)[0].filled:
+        kv = self._kv(cache)
+        rows = bool(kv) and isinstance(kv[0], RowCaches)  # a batch of requests' rows
+        if not rows and (T, verify) in self._graph_ready and kv[0].filled:
             return self._graph_forward(tokens, cache, verify)
-        compiled = self.functions.begin(T)
+        B = tokens.shape[0]
+        compiled = self.functions.begin(T, B)
         self.policy.probed, self._pass_native = False, True
         h = self.embed_tokens(tokens)  # [B, T, H]
         if self.stage is not None:
             h = receive(self.stage, h)
-        kv = next((c for c, ly in zip(cache, self.layers, strict=True)
-                   if ly is not None and not ly.is_linear), None)  # fmt: skip
-        mask = create_attention_mask(h, kv)  # unused where attention goes position by position
+        # unused where attention goes position by position, and by a batch's rows
+        mask = None if rows or not kv else create_attention_mask(h, kv[0])
         traces: list[GatedDeltaTrace | None] = []
         every = self.submit_every if verify else 0
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
@@ -490,12 +497,12 @@ class Qwen35Target:
             traces.append(trace)
             if every and (i + 1) % every == 0:
                 mx.async_eval(h)
-        self.functions.end(T)
+        self.functions.end(T, B)
         if self.stage is not None:
             h = hand_on(self.stage, h, cache[self.stage.layers[-1]])
         if (
             self.options.graph and compiled and self._pass_native and not self.policy.probed
-            and not any(self.routed_on_gpu) and self.stage is None
+            and not any(self.routed_on_gpu) and self.stage is None and not rows
         ):  # fmt: skip
             self._graph_ready.add((T, verify))
         return ForwardOut(self.text.model.norm(h), traces if verify else None)
@@ -602,6 +609,12 @@ class Qwen35Target:
     def snapshot(self, cache: list) -> list:
         return snapshot(cache)
 
+    def join_rows(self, batch: list | None, cache: list) -> list:
+        return join_rows(batch, cache)
+
+    def keep_rows(self, batch: list, rows: list[int]) -> list:
+        return keep_rows(batch, rows)
+
     def restore(self, snapshot: list) -> list:
         return restore(snapshot)
 
@@ -696,6 +709,41 @@ def restore(snapshot: list) -> list:
             c = ArraysCache(size=2)
             c[0], c[1] = s
             out.append(c)
+    return out
+
+
+def join_rows(batch: list | None, cache: list) -> list:
+    """A batch's caches (``engine/batch.py``) with the one-row ``cache`` of a request added as
+    its last row: gated-delta windows and states stacked on the batch axis, attention caches
+    kept per row (``RowCaches``). ``batch`` None: the request alone as a batch."""
+    out: list = []
+    for i, c in enumerate(cache):
+        b = None if batch is None else batch[i]
+        if c is None:
+            out.append(None)
+        elif isinstance(c, RowsKVCache):
+            out.append(RowCaches([*(b or []), c]))
+        else:
+            joined = ArraysCache(size=2)
+            joined[0], joined[1] = (a if b is None else mx.concatenate([b[j], a], axis=0)
+                                    for j, a in enumerate((c[0], c[1])))  # fmt: skip
+            out.append(joined)
+    return out
+
+
+def keep_rows(batch: list, rows: list[int]) -> list:
+    """A batch's caches with only ``rows`` (their indices, in order) left."""
+    idx = mx.array(rows, mx.int32)
+    out: list = []
+    for b in batch:
+        if b is None:
+            out.append(None)
+        elif isinstance(b, RowCaches):
+            out.append(RowCaches([b[r] for r in rows]))
+        else:
+            kept = ArraysCache(size=2)
+            kept[0], kept[1] = (mx.take(b[j], idx, axis=0) for j in (0, 1))
+            out.append(kept)
     return out
 
 

@@ -1,0 +1,116 @@
+"""Continuous batching of classic decoding: requests join a running batch between steps and
+leave it when they end; one forward decodes a token of every row.
+
+Each row's tokens are those the request decodes alone (``generate_classic``): its prompt is
+processed alone, its attention reads only its own cache (``RowCaches``), the other operations
+are row-invariant (the products where they run batched, ``models/row_policy.py``), and a
+seeded sample draws from the row's own key chain (``KeyChain``) in the order it would alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from ..models import Target
+from ..stats import GenerationStats
+from .classic import read_token, start_classic
+from .prompt_cache import PromptCache
+from .sampling import KeyChain, SamplingParams, pick_checked, readback
+
+
+@dataclass
+class Row:
+    """One request in the batch."""
+
+    owner: Any  # the caller's handle for the request
+    max_tokens: int
+    sampling: SamplingParams
+    eos: frozenset[int]
+    keys: KeyChain | None  # seeded sampling: the request's own keys
+    y: mx.array  # the token to feed next (the last one picked) []
+    seen: mx.array  # its ``readback`` [2], read by the next ``step``
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    n: int = 0  # tokens emitted
+    started: float = 0.0  # when its decoding began (perf_counter)
+
+
+@dataclass
+class Emitted:
+    """What one step gave a row: its token (None at EOS) and whether the row has ended."""
+
+    row: Row
+    token: int | None
+    ended: bool
+
+
+class Batch:
+    """The rows decoding together and their caches (``Target.join_rows``)."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.rows: list[Row] = []
+        self.cache: list | None = None
+
+    def add(
+        self,
+        prompt,
+        *,
+        owner: Any = None,
+        max_tokens: int,
+        sampling: SamplingParams = SamplingParams(),
+        seed: int | None = None,
+        eos_ids: Iterable[int] = (),
+        on_prefill: Callable[[int, int], None] | None = None,
+        prompt_cache: PromptCache | None = None,
+        boundaries: Collection[int] = (),
+    ) -> Row:
+        """Process a request's prompt alone (the other rows wait) and add it as the last row;
+        its first token is read by the next ``step``."""
+        keys = KeyChain(seed) if seed is not None and not sampling.greedy else None
+        stats = GenerationStats()
+        cache, y, seen = start_classic(self.target, prompt, max_tokens, sampling, stats,
+                                       on_prefill, prompt_cache, boundaries,
+                                       keys.next() if keys else None)  # fmt: skip
+        row = Row(owner, max_tokens, sampling, frozenset(eos_ids), keys, y, seen, stats)
+        row.started = time.perf_counter()
+        self.cache = self.target.join_rows(self.cache, cache)
+        self.rows.append(row)
+        return row
+
+    def step(self) -> list[Emitted]:
+        """Queue the next forward of every row, then read each row's pending token: what each
+        row gave, in row order. Rows that ended stay until ``drop`` (the caller may have more
+        to do with them)."""
+        ys = mx.stack([r.y for r in self.rows]).reshape(-1, 1)  # [B, 1]
+        logits = self.target.lm_head(self.target.forward(ys, self.cache).hidden)  # [B, 1, V]
+        nxt = []
+        for b, r in enumerate(self.rows):
+            y, lse = pick_checked(logits[b, -1], r.sampling, r.keys.next() if r.keys else None)
+            nxt.append((y, readback(y, lse)))
+        mx.async_eval(nxt)
+        out = []
+        for r, (y, seen) in zip(self.rows, nxt, strict=True):
+            token = read_token(r.seen, r.n)
+            if token in r.eos:
+                out.append(Emitted(r, None, True))
+                continue
+            r.n += 1
+            r.stats.emitted(r.n, r.started, time.perf_counter())
+            out.append(Emitted(r, token, r.n >= r.max_tokens))
+            r.y, r.seen = y, seen
+        return out
+
+    def drop(self, rows: Iterable[Row]) -> None:
+        """Take ``rows`` out of the batch (ended, or their client left)."""
+        gone = {id(r) for r in rows}
+        for r in self.rows:
+            if id(r) in gone:
+                r.stats.finish(r.started, time.perf_counter(), mx.get_peak_memory())
+        keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
+        self.rows = [self.rows[i] for i in keep]
+        self.cache = self.target.keep_rows(self.cache, keep) if keep else None

@@ -1,0 +1,128 @@
+"""Time a decode step of a batch of requests (``engine/batch.py``) at several row counts.
+
+    python scripts/bench_batch.py                                     # the built-in example
+    python scripts/bench_batch.py --shape qwen3.8-27b --json out.json # a random 27B, 4-bit
+
+First checks that each row's tokens equal its request decoded alone (``generate_classic``,
+greedy, rows joining at different steps); then, per row count B, times ``--steps`` batched
+steps after a warm-up, ``--repeats`` times, interleaved with classic decoding of one request
+(the one-at-a-time figure): aggregate tok/s and ms a step, median (min-max).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from mtpcli import synthetic
+from mtpcli.engine.batch import Batch
+from mtpcli.engine.classic import generate_classic
+from mtpcli.example import ensure_example
+from mtpcli.loading import load_pair
+
+
+def _target(shape: str | None, bits: int):
+    if shape is None:
+        return load_pair(str(ensure_example()[0])).target, "built-in example"
+    target, _ = synthetic.build(shape, bits=None if bits == 16 else bits)
+    return target, f"synthetic {shape} {bits}-bit (random weights)"
+
+
+def _prompt(i: int, vocab: int, length: int = 16) -> list[int]:
+    return [(31 * i + 7 * j + 3) % min(vocab, 1000) for j in range(length)]
+
+
+def check_exact(target, rows: int, tokens: int) -> bool:
+    """Each of ``rows`` requests, joining one step apart, decodes its solo tokens."""
+    vocab = target.config.text.vocab_size
+    want = [list(generate_classic(target, _prompt(i, vocab), max_tokens=tokens))
+            for i in range(rows)]  # fmt: skip
+    batch, got = Batch(target), [[] for _ in range(rows)]
+    joined = 0
+    while joined < rows or batch.rows:
+        if joined < rows:
+            batch.add(_prompt(joined, vocab), owner=joined, max_tokens=tokens)
+            joined += 1
+        out = batch.step()
+        for e in out:
+            if e.token is not None:
+                got[e.row.owner].append(e.token)
+        batch.drop([e.row for e in out if e.ended])
+    return got == want
+
+
+def time_batch(target, rows: int, steps: int) -> float:
+    """Seconds for ``steps`` steps of ``rows`` rows (after 3 untimed ones)."""
+    vocab = target.config.text.vocab_size
+    batch = Batch(target)
+    for i in range(rows):
+        batch.add(_prompt(i, vocab), max_tokens=steps + 8)
+    for _ in range(3):
+        batch.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        batch.step()
+    return time.perf_counter() - start
+
+
+def time_classic(target, steps: int) -> float:
+    vocab = target.config.text.vocab_size
+    tokens = generate_classic(target, _prompt(0, vocab), max_tokens=steps + 3)
+    for _ in range(3):
+        next(tokens)
+    start = time.perf_counter()
+    for _ in range(steps):
+        next(tokens)
+    elapsed = time.perf_counter() - start
+    tokens.close()
+    return elapsed
+
+
+def _summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "runs": values}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default=None, choices=sorted(synthetic.SHAPES))
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    target, label = _target(args.shape, args.bits)
+    exact = check_exact(target, max(args.rows), 12)
+    print(f"{label}: each row's tokens equal its request alone: {exact}")
+    load_before = os.getloadavg()
+    classic, batched = [], {b: [] for b in args.rows}
+    for _ in range(args.repeats):
+        classic.append(args.steps / time_classic(target, args.steps))
+        for b in args.rows:
+            batched[b].append(b * args.steps / time_batch(target, b, args.steps))
+    record = {
+        "target": label, "backend": str(mx.default_device()), "exact": exact,
+        "steps": args.steps, "repeats": args.repeats,
+        "classic_tps": _summary(classic),
+        "batch_tps": {str(b): _summary(v) for b, v in batched.items()},
+        "load_before": load_before, "load_after": os.getloadavg(),
+    }  # fmt: skip
+    c = record["classic_tps"]
+    print(f"classic, one request: {c['median']:.1f} tok/s ({c['min']:.1f}-{c['max']:.1f})")
+    for b, s in record["batch_tps"].items():
+        print(f"batch of {b}: {s['median']:.1f} tok/s ({s['min']:.1f}-{s['max']:.1f}), "
+              f"{s['median'] / c['median']:.2f}x one request, "
+              f"{int(b) * 1000 / s['median']:.2f} ms a step")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Continuous batching (``engine/batch.py``): every row decodes the tokens its request decodes
+alone (``generate_classic``, the reference), whatever else shares the batch, joins or leaves.
+Mutations show the test can fail: rows kept in the wrong order after one leaves, a sampled row
+drawing from MLX's global keys instead of its own chain."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mtpcli.engine import batch as batch_mod
+from mtpcli.engine.batch import Batch
+from mtpcli.engine.classic import generate_classic
+from mtpcli.engine.sampling import SamplingParams
+from mtpcli.errors import ContextTooLongError
+
+# (prompt, max_tokens, sampling, seed, step it joins at, step its client leaves at)
+REQUESTS = [
+    ([5, 9, 13, 200, 7], 24, SamplingParams(), None, 0, None),
+    ([300, 2, 2, 2, 2, 2, 2, 11, 12], 20, SamplingParams(temp=1.0), 11, 0, None),
+    ([44] * 23, 30, SamplingParams(), None, 3, None),  # joins mid-way, prompt of another length
+    ([1, 2, 3], 8, SamplingParams(temp=0.8, top_k=5, min_p=0.05), 3, 4, None),  # leaves early
+    ([17, 18], 40, SamplingParams(), None, 1, 9),  # its client leaves after 9 steps
+]
+
+
+def _alone(target, prompt, n, sampling, seed) -> list[int]:
+    if seed is not None:
+        mx.random.seed(seed)
+    return list(generate_classic(target, prompt, max_tokens=n, sampling=sampling))
+
+
+def _batched(target, requests, eos=()) -> dict[int, list[int]]:
+    batch, got, step = Batch(target), {i: [] for i in range(len(requests))}, 0
+    pending = sorted(range(len(requests)), key=lambda i: requests[i][4])
+    while pending or batch.rows:
+        while pending and requests[pending[0]][4] <= step:
+            i = pending.pop(0)
+            prompt, n, sampling, seed, _, _ = requests[i]
+            batch.add(prompt, owner=i, max_tokens=n, sampling=sampling, seed=seed, eos_ids=eos)
+        if not batch.rows:
+            step += 1
+            continue
+        out = batch.step()
+        step += 1
+        for e in out:
+            if e.token is not None:
+                got[e.row.owner].append(e.token)
+        leaving = [r for r in batch.rows if requests[r.owner][5] == step]
+        batch.drop([e.row for e in out if e.ended] + leaving)
+    return got
+
+
+@pytest.mark.parametrize("moe,bits", [(False, 4), (False, None), (True, 4)],
+                         ids=["dense-4bit", "dense-bf16", "moe-4bit"])  # fmt: skip
+def test_each_row_decodes_what_its_request_decodes_alone(load, moe, bits):
+    target = load(moe=moe, bits=bits).target
+    got = _batched(target, REQUESTS)
+    for i, (prompt, n, sampling, seed, _, leaves) in enumerate(REQUESTS):
+        want = _alone(target, prompt, n, sampling, seed)
+        if leaves is not None:  # the rows it decoded before its client left
+            assert len(got[i]) < len(want)
+            want = want[: len(got[i])]
+        assert got[i] == want, f"request {i}"
+
+
+def test_a_row_ends_at_eos_and_the_others_go_on(load):
+    target = load(bits=4).target
+    alone = _alone(target, REQUESTS[0][0], 24, SamplingParams(), None)
+    eos = alone[5]  # the sixth token of the first request ends it there
+    got = _batched(target, REQUESTS[:3], eos=(eos,))
+    assert got[0] == alone[: alone.index(eos)]
+    for i in (1, 2):
+        prompt, n, sampling, seed, _, _ = REQUESTS[i]
+        want = _alone(target, prompt, n, sampling, seed)
+        assert got[i] == want[: want.index(eos)] if eos in want else got[i] == want
+
+
+def test_rows_kept_in_the_wrong_order_change_the_tokens(load, monkeypatch):
+    """Mutation: after a row leaves, the caches of the rows left are swapped."""
+    target = load(bits=4).target
+    keep = type(target).keep_rows
+    monkeypatch.setattr(type(target), "keep_rows",
+                        lambda self, b, rows: keep(self, b, rows[::-1]))  # fmt: skip
+    got = _batched(target, REQUESTS)
+    assert any(got[i] != _alone(target, *r[:4])[: len(got[i])] for i, r in enumerate(REQUESTS))
+
+
+def test_a_sampled_row_without_its_own_keys_draws_other_tokens(load, monkeypatch):
+    """Mutation: a seeded row draws from MLX's global keys (as every row would without
+    ``KeyChain``): its tokens are no longer those of the request alone."""
+    target = load(bits=4).target
+    requests = [REQUESTS[1], (REQUESTS[1][0], 20, SamplingParams(temp=1.0), 12, 0, None)]
+    monkeypatch.setattr(batch_mod, "KeyChain", lambda seed: None)
+    got = _batched(target, requests)
+    assert any(got[i] != _alone(target, *r[:4]) for i, r in enumerate(requests))
+
+
+def test_a_request_past_the_context_is_refused_and_the_batch_goes_on(load):
+    target = load(bits=4).target
+    batch = Batch(target)
+    batch.add([5, 6], max_tokens=4)
+    limit = target.config.text.max_position_embeddings
+    with pytest.raises(ContextTooLongError):
+        batch.add([5, 6], max_tokens=limit)
+    assert len(batch.rows) == 1 and batch.step()[0].token is not None
