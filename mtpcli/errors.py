@@ -94,7 +94,8 @@ class UsageError(MtpError):
 
 
 class BatchNotSupportedError(UsageError):
-    """The MTP engine runs one sequence at a time."""
+    """A batch the engines do not decode: several prompts in one array (they run one sequence
+    at a time), or more requests together than the target decodes exactly."""
 
 
 class ContextTooLongError(UsageError):

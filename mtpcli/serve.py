@@ -86,6 +86,11 @@ class Decoder:
         self.loaded, self.block_size, self.force_mtp = loaded, block_size, force_mtp
         self.note = note
         self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
+        cap = loaded.target.batch_rows
+        if cap is not None and max_batch > cap:
+            note(f"--max-batch {max_batch}: this target decodes at most {cap} requests together "
+                 "exactly on this backend" + ("; one at a time" if cap == 1 else ""))  # fmt: skip
+            max_batch = cap
         self.max_batch = max_batch
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.served = 0

@@ -84,6 +84,25 @@ def time_classic(target, steps: int) -> float:
     return elapsed
 
 
+def time_product(target, rows: list[int], repeats: int = 30) -> dict[str, float]:
+    """Median us of MLX's 4-bit product (group 64) at the target's hidden -> vocab shape, for
+    each row count: what one batched row costs the backend's quantized product."""
+    t = target.config.text
+    w = mx.random.normal((t.vocab_size, t.hidden_size)).astype(mx.bfloat16)
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    out = {}
+    for m in rows:
+        x = mx.random.normal((m, t.hidden_size)).astype(mx.bfloat16)
+        times = []
+        for i in range(repeats + 3):
+            start = time.perf_counter()
+            mx.eval(mx.quantized_matmul(x, wq, scales, biases, group_size=64, bits=4))
+            if i >= 3:
+                times.append(time.perf_counter() - start)
+        out[str(m)] = statistics.median(times) * 1e6
+    return out
+
+
 def _summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "runs": values}  # fmt: skip
@@ -113,6 +132,7 @@ def main() -> None:
         "classic_tps": _summary(classic),
         "batch_tps": {str(b): _summary(v) for b, v in batched.items()},
         "load_before": load_before, "load_after": os.getloadavg(),
+        "head_product_us": time_product(target, args.rows),
     }  # fmt: skip
     c = record["classic_tps"]
     print(f"classic, one request: {c['median']:.1f} tok/s ({c['min']:.1f}-{c['max']:.1f})")
@@ -120,6 +140,10 @@ def main() -> None:
         print(f"batch of {b}: {s['median']:.1f} tok/s ({s['min']:.1f}-{s['max']:.1f}), "
               f"{s['median'] / c['median']:.2f}x one request, "
               f"{int(b) * 1000 / s['median']:.2f} ms a step")  # fmt: skip
+    print(
+        "4-bit hidden -> vocab product, us by rows:",
+        {m: round(us) for m, us in record["head_product_us"].items()},
+    )
     if args.json:
         args.json.write_text(json.dumps(record, indent=1))
 

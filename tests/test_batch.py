@@ -12,7 +12,7 @@ from mtpcli.engine import batch as batch_mod
 from mtpcli.engine.batch import Batch
 from mtpcli.engine.classic import generate_classic
 from mtpcli.engine.sampling import SamplingParams
-from mtpcli.errors import ContextTooLongError
+from mtpcli.errors import BatchNotSupportedError, ContextTooLongError
 
 # (prompt, max_tokens, sampling, seed, step it joins at, step its client leaves at)
 REQUESTS = [
@@ -55,6 +55,12 @@ def _batched(target, requests, eos=()) -> dict[int, list[int]]:
                          ids=["dense-4bit", "dense-bf16", "moe-4bit"])  # fmt: skip
 def test_each_row_decodes_what_its_request_decodes_alone(load, moe, bits):
     target = load(moe=moe, bits=bits).target
+    if target.batch_rows == 1:  # a GPU backend where a product here is not row-invariant
+        batch = Batch(target)
+        batch.add([5, 6], max_tokens=4)
+        with pytest.raises(BatchNotSupportedError):
+            batch.add([5, 6], max_tokens=4)
+        return
     got = _batched(target, REQUESTS)
     for i, (prompt, n, sampling, seed, _, leaves) in enumerate(REQUESTS):
         want = _alone(target, prompt, n, sampling, seed)
@@ -104,3 +110,39 @@ def test_a_request_past_the_context_is_refused_and_the_batch_goes_on(load):
     with pytest.raises(ContextTooLongError):
         batch.add([5, 6], max_tokens=limit)
     assert len(batch.rows) == 1 and batch.step()[0].token is not None
+
+
+def test_rows_are_capped_where_products_are_not_row_invariant(load, monkeypatch):
+    """On a GPU backend: a target whose products are all row-invariant decodes as many rows
+    together as its product kernel takes; one with a layer that is not (a dense product, a
+    routed layer off our kernels), one row; a batch refuses a row past the cap."""
+    import copy
+
+    from mtpcli import kernels
+    from mtpcli.kernels.qmm_kernel import MAX_ROWS
+
+    target = copy.copy(load(bits=4).target)
+    assert target.batch_rows is None  # the CPU: any number
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    assert target.batch_rows == (MAX_ROWS if target.options.ours else 7)
+    target.unprobed = [True, *target.unprobed[1:]]
+    assert target.batch_rows == 1
+    batch = Batch(target)
+    batch.rows = [object()]  # one row decoding already
+    with pytest.raises(BatchNotSupportedError, match="at most 1 requests"):
+        batch.add([5, 6], max_tokens=4)
+
+
+def test_the_server_decodes_no_more_rows_together_than_the_target_allows(load, monkeypatch):
+    import copy
+    import dataclasses
+
+    from mtpcli.serve import Decoder
+
+    loaded = load(bits=4)
+    assert Decoder(loaded, max_batch=8).max_batch == 8  # the CPU: as asked
+    target = copy.copy(loaded.target)
+    monkeypatch.setattr(type(target), "batch_rows", property(lambda self: 3))
+    notes = []
+    decoder = Decoder(dataclasses.replace(loaded, target=target), max_batch=8, note=notes.append)
+    assert decoder.max_batch == 3 and "at most 3 requests" in notes[0]

@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..errors import BatchNotSupportedError
 from ..models import Target
 from ..stats import GenerationStats
 from .classic import read_token, start_classic
@@ -70,7 +71,14 @@ class Batch:
         boundaries: Collection[int] = (),
     ) -> Row:
         """Process a request's prompt alone (the other rows wait) and add it as the last row;
-        its first token is read by the next ``step``."""
+        its first token is read by the next ``step``. A batch holds at most the target's
+        ``batch_rows``."""
+        cap = self.target.batch_rows
+        if cap is not None and len(self.rows) >= cap:
+            raise BatchNotSupportedError(
+                f"this target decodes at most {cap} requests together exactly on this backend "
+                "(Target.batch_rows); let one leave first"
+            )
         keys = KeyChain(seed) if seed is not None and not sampling.greedy else None
         stats = GenerationStats()
         cache, y, seen = start_classic(self.target, prompt, max_tokens, sampling, stats,

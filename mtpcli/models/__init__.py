@@ -72,6 +72,11 @@ class Target(Protocol):
         request's own one-row ``cache`` added as the last row (``batch`` None: a new batch)."""
         ...
 
+    @property
+    def batch_rows(self) -> int | None:
+        """The most requests a step may decode together, each row exact as alone (None: any)."""
+        ...
+
     def keep_rows(self, batch: list, rows: list[int]) -> list:
         """The batch's caches with only ``rows`` (indices, in order) left."""
         ...

@@ -28,6 +28,7 @@ from ..kernels.decode_attention import MAX_T, Rope, decode_attention, native_blo
 from ..kernels.gated_delta import gated_delta_conv
 from ..kernels.gated_norm import gated_norm_in_place
 from ..kernels.pick_kept import pick_kept
+from ..kernels.qmm_kernel import MAX_ROWS
 from ..layout import gather, stores_w_minus_1
 from ..options import Options
 from ..weights import load_arrays, load_module_weights, read_inventory
@@ -282,6 +283,19 @@ class Qwen35Target:
             for r, ly in zip(self.routed_on_gpu, self.layers, strict=True)
         ]
         self.head_unprobed = gpu and dense(self._head()[0])
+
+    @property
+    def batch_rows(self) -> int | None:
+        """The most requests one step may decode together (``engine/batch.py``) with each
+        row's arithmetic the one it has alone; None: any number. MLX's CPU products are
+        row-invariant; on a GPU, our product kernel is for up to ``MAX_ROWS`` rows and MLX's
+        quantized products for up to 7 (docs/design.md), and a layer with a dense or routed
+        product that is not row-invariant there leaves one."""
+        if kernels.backend() == "cpu":
+            return None
+        if any(self.unprobed) or self.head_unprobed:
+            return 1
+        return MAX_ROWS if self.options.ours else 7
 
     def _fuse(self) -> tuple[dict, dict, set[int]]:
         """Per layer: the input projections (gated-delta: qkv, z, b, a; attention: q, k, v),
