@@ -2,7 +2,8 @@
 
 ``/v1/chat/completions`` and ``/v1/completions`` (streamed as server-sent events or not),
 ``/v1/models`` and ``/health``. Each request goes through ``generation.generate``: the same
-prompt encoding, gate, engines and exactness as the CLI. One request decodes at a time, on the
+prompt encoding, gate, engines and exactness as the CLI. One request decodes at a time (or,
+with ``--max-batch``, up to that many together in classic steps, ``engine/batch.py``), on the
 main thread (MLX's work stays on one thread); the others wait in a queue, and the HTTP side
 (Starlette on uvicorn, in a thread of its own) only parses, queues and relays. A prompt cache
 (``engine/prompt_cache.py``) lets a request that starts as an earlier one did (a shared system
