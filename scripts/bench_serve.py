@@ -121,20 +121,32 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--logs", type=Path, default=Path("/tmp"))
+    ap.add_argument(
+        "--servers",
+        nargs="+",
+        default=None,
+        help="which of ours_mtp, ours_classic, ours_batched, mlx_lm (default: all)",
+    )
     args = ap.parse_args()
     if min(args.requests, args.repeats, args.max_tokens) < 1:
         ap.error("--requests, --repeats and --max-tokens must be at least 1")
     target, _ = ensure_example()
     prompts = example_prompts()
     load = os.getloadavg()
-    p1, p2, p3 = _free_port(), _free_port(), _free_port()
+    p1, p2, p3, p4 = _free_port(), _free_port(), _free_port(), _free_port()
     ours = [sys.executable, "-m", "mtpcli", "serve", "--port"]
     servers = {
         "ours_mtp": ([*ours, str(p1), "--draft-kind", "mtp"], p1, "example"),
         "ours_classic": ([*ours, str(p2), "--draft-kind", "none"], p2, "example"),
+        "ours_batched": ([*ours, str(p4), "--draft-kind", "none", "--max-batch", "8"], p4,
+                         "example"),
         "mlx_lm": ([sys.executable, "-m", "mlx_lm.server", "--model", str(target), "--port",
                     str(p3)], p3, str(target)),
     }  # fmt: skip
+    unknown = set(args.servers or ()) - set(servers)
+    if unknown:
+        ap.error(f"--servers: no server {', '.join(sorted(unknown))}")
+    servers = {k: v for k, v in servers.items() if args.servers is None or k in args.servers}
     results = {name: run_server(name, argv, port, model, prompts, args, args.logs)
                for name, (argv, port, model) in servers.items()}  # fmt: skip
     import mlx.core as mx
@@ -148,7 +160,8 @@ def main() -> None:
                     "load_before": load, "load_after": os.getloadavg()},
         "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
         "command": f"python scripts/bench_serve.py --requests {args.requests} --repeats "
-                   f"{args.repeats} --max-tokens {args.max_tokens}",
+                   f"{args.repeats} --max-tokens {args.max_tokens}"
+                   + (f" --servers {' '.join(args.servers)}" if args.servers else ""),
     }  # fmt: skip
     for name, r in results.items():
         print(name + ": " + "; ".join(

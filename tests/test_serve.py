@@ -434,6 +434,41 @@ def test_requests_decoding_together_are_answered_exactly(batched, reference):
     assert 2 <= rows <= 4  # they decoded together, never more than --max-batch
 
 
+def test_bad_input_beside_a_batch_costs_its_rows_nothing(batched, reference):
+    """While four requests decode together: a prompt past the context, a malformed body and a
+    stream whose client leaves after its first piece each get their answer (a 400, or
+    nothing), and the four texts are ``mtp generate``'s."""
+    cases = [(PROMPTS[i], False, 30) for i in range(4)]
+
+    async def good(client, prompt, chat, n):
+        r = await client.post(
+            "/v1/completions", json={"model": "example", "prompt": prompt, "max_tokens": n}
+        )
+        return r.json()["choices"][0]["text"]  # fmt: skip
+
+    async def leaver(client):
+        body = {"model": "example", "prompt": PROMPTS[2], "max_tokens": 500, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line:
+                    return line.startswith("data: {")
+
+    async def main():
+        async with httpx.AsyncClient(base_url=batched, timeout=300) as client:
+            tasks = [asyncio.create_task(good(client, *c)) for c in cases]
+            tasks.append(asyncio.create_task(leaver(client)))
+            await asyncio.sleep(0.2)
+            long = await client.post("/v1/completions", json={
+                "model": "example", "prompt": "x " * 5000, "max_tokens": 8})  # fmt: skip
+            bad = await client.post("/v1/completions", content=b"{not json")
+            return await asyncio.gather(*tasks), long, bad
+
+    (*texts, streamed), long, bad = asyncio.run(main())
+    assert streamed and long.status_code == 400 and bad.status_code == 400
+    assert long.json()["error"]["code"] == "context_length_exceeded"
+    assert texts == [reference(*c)["text"] for c in cases]
+
+
 def test_a_row_whose_client_leaves_frees_its_place(batched, reference):
     before = httpx.get(f"{batched}/health").json()["cancelled"]
     body = {"model": "example", "prompt": PROMPTS[0], "max_tokens": 3000, "stream": True}
