@@ -3,6 +3,7 @@
 built-in example, each started here in turn and spoken to by the openai client, streaming.
 
     python scripts/bench_serve.py --requests 3 --max-tokens 64 --json out.json
+    python scripts/bench_serve.py --model /root/q27/target --servers ours_classic ours_batched
 
 At each concurrency every client sends ``--requests`` chat requests one after another (the
 example's held-out prompts, each after a line no server has seen, so that none is cached;
@@ -121,6 +122,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--logs", type=Path, default=Path("/tmp"))
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a target directory (scripts/write_synthetic.py writes one of a real "
+                         "shape) instead of the built-in example")  # fmt: skip
     ap.add_argument(
         "--servers",
         nargs="+",
@@ -130,16 +134,17 @@ def main() -> None:
     args = ap.parse_args()
     if min(args.requests, args.repeats, args.max_tokens) < 1:
         ap.error("--requests, --repeats and --max-tokens must be at least 1")
-    target, _ = ensure_example()
+    target = args.model or ensure_example()[0]
     prompts = example_prompts()
     load = os.getloadavg()
     p1, p2, p3, p4 = _free_port(), _free_port(), _free_port(), _free_port()
-    ours = [sys.executable, "-m", "mtpcli", "serve", "--port"]
+    name = str(target) if args.model else "example"
+    ours = [sys.executable, "-m", "mtpcli", "serve", *(["-m", name] if args.model else []),
+            "--port"]  # fmt: skip
     servers = {
-        "ours_mtp": ([*ours, str(p1), "--draft-kind", "mtp"], p1, "example"),
-        "ours_classic": ([*ours, str(p2), "--draft-kind", "none"], p2, "example"),
-        "ours_batched": ([*ours, str(p4), "--draft-kind", "none", "--max-batch", "8"], p4,
-                         "example"),
+        "ours_mtp": ([*ours, str(p1), "--draft-kind", "mtp"], p1, name),
+        "ours_classic": ([*ours, str(p2), "--draft-kind", "none"], p2, name),
+        "ours_batched": ([*ours, str(p4), "--draft-kind", "none", "--max-batch", "8"], p4, name),
         "mlx_lm": ([sys.executable, "-m", "mlx_lm.server", "--model", str(target), "--port",
                     str(p3)], p3, str(target)),
     }  # fmt: skip
@@ -153,7 +158,7 @@ def main() -> None:
     import mlx_lm
 
     record = {
-        "what": "concurrent chat clients, built-in example, streaming, temperature 0: aggregate "
+        "what": f"concurrent chat clients, {name}, streaming, temperature 0: aggregate "
                 "completion tokens/s over the wall time, latency and time to first text",
         "servers": results,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
@@ -161,7 +166,8 @@ def main() -> None:
         "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
         "command": f"python scripts/bench_serve.py --requests {args.requests} --repeats "
                    f"{args.repeats} --max-tokens {args.max_tokens}"
-                   + (f" --servers {' '.join(args.servers)}" if args.servers else ""),
+                   + (f" --servers {' '.join(args.servers)}" if args.servers else "")
+                   + (f" --model {args.model}" if args.model else ""),
     }  # fmt: skip
     for name, r in results.items():
         print(name + ": " + "; ".join(
