@@ -146,3 +146,26 @@ def test_the_server_decodes_no_more_rows_together_than_the_target_allows(load, m
     notes = []
     decoder = Decoder(dataclasses.replace(loaded, target=target), max_batch=8, note=notes.append)
     assert decoder.max_batch == 3 and "at most 3 requests" in notes[0]
+
+
+def test_a_request_that_starts_as_an_earlier_one_resumes_from_its_snapshot(load):
+    """With a prompt cache, a second request whose first message is the first request's
+    skips that part, joins the batch beside it and decodes its tokens alone."""
+    from mtpcli.engine.prompt_cache import PromptCache
+
+    target = load(bits=4).target
+    first, second = [7, 8, 9, 10, 11, 12, 1, 2, 3], [7, 8, 9, 10, 11, 12, 40, 41]
+    cache = PromptCache(1 << 30)
+    batch = Batch(target)
+    batch.add(first, owner=0, max_tokens=12, prompt_cache=cache, boundaries=[6])
+    batch.step()
+    row = batch.add(second, owner=1, max_tokens=12, prompt_cache=cache, boundaries=[6])
+    assert row.stats.prompt_cached == 6
+    got = {0: [], 1: []}
+    while batch.rows:
+        out = batch.step()
+        for e in out:
+            if e.token is not None:
+                got[e.row.owner].append(e.token)
+        batch.drop([e.row for e in out if e.ended])
+    assert got[1] == _alone(target, second, 12, SamplingParams(), None)
