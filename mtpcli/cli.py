@@ -399,21 +399,30 @@ def serve(
     Ctrl-C (exit 130) or SIGTERM (exit 0) stops it: a decoding request ends at its next token
     with a last event (finish_reason "cancelled", then [DONE]), queued requests get a 503, and
     the process exits within 5 seconds."""
-    from .models.pipeline import launched
+    from .models.pipeline import launched, rank
     from .options import Options
-    from .serve import check_port
+    from .serve import check_port, follow
     from .serve import serve as run_server
 
-    if launched():
-        raise PipelineError("mtp serve runs in one process; start it without mlx.launch (a "
-                            "pipelined target runs with mtp generate)")  # fmt: skip
+    split = launched()
+    if split and max_batch > 1:
+        raise PipelineError("--max-batch above 1 runs in one process: under mlx.launch the "
+                            "ranks decode one request at a time")  # fmt: skip
     if max_batch > 1 and (draft_kind == "mtp" or draft_block_size is not None):
         raise UsageError("--max-batch above 1 decodes classic steps; MTP rounds (--draft-kind "
                          "mtp, --draft-block-size) run one request at a time: choose "
                          "one")  # fmt: skip
-    check_port(host, port)  # before minutes of loading
+    if not split or rank() == 0:  # in a pipeline rank 0 serves HTTP, the others follow it
+        check_port(host, port)  # before minutes of loading
     loaded = _load(model, draft_model, draft_kind, draft_block_size, draft_quantize,
                    Options(kernels=kernels, qmm=qmm))  # fmt: skip
+    stage = loaded.target.stage
+    if stage is not None and stage.rank != 0:
+        with _pipeline_errors():
+            follow(loaded, draft_block_size, draft_kind == "mtp")
+        return
+    if stage is not None:
+        _note("in a pipeline: one request at a time, the prompt cache off")
     stopped_by = run_server(
         loaded, model_name or model or "example", host=host, port=port,
         block_size=draft_block_size, force_mtp=draft_kind == "mtp",

@@ -13,6 +13,7 @@ prompt, the next turn of a chat) skip processing that part, with the tokens of a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import queue
 import signal
@@ -32,6 +33,7 @@ from .errors import ContextTooLongError, MtpError, SamplingError, ServeError, Us
 from .gate import GateDecision
 from .generation import GenerateResult, TextOut, generate
 from .loading import Loaded
+from .models.pipeline import share, share_flag
 from .tokenizer import encode_messages, encode_prompt, message_ends
 
 MAX_STOPS = 4  # as OpenAI's API
@@ -86,6 +88,13 @@ class Decoder:
                  prompt_cache_bytes: int = 0, max_batch: int = 1):  # fmt: skip
         self.loaded, self.block_size, self.force_mtp = loaded, block_size, force_mtp
         self.note = note
+        # In a pipeline (mlx.launch) every rank decodes each job (``follow``): rank 0 hands
+        # each one on, and whether it was cancelled at each token. The prompt cache is off
+        # there (each rank's snapshots hold its own layers, so their sizes, and the evictions,
+        # would differ from rank to rank).
+        self.stage = loaded.target.stage
+        if self.stage is not None:
+            prompt_cache_bytes = 0
         self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
         cap = loaded.target.batch_rows
         if cap is not None and max_batch > cap:
@@ -201,11 +210,16 @@ class Decoder:
         if job.cancel.is_set():  # the client left while the job waited
             self.cancelled += 1
             return
+        cancelled = job.cancel.is_set
+        if self.stage is not None:
+            share(self.stage, json.dumps(_job_fields(job)).encode())
+            stage = self.stage
+            cancelled = lambda: share_flag(stage, job.cancel.is_set())  # noqa: E731
         try:
             result = generate(
                 self.loaded, job.ids, max_tokens=job.max_tokens, sampling=job.sampling,
                 block_size=self.block_size, force_mtp=self.force_mtp, seed=job.seed,
-                stop=job.stop, cancelled=job.cancel.is_set,
+                stop=job.stop, cancelled=cancelled,
                 on_text=lambda text: job.put("text", text), note=self.note,
                 prompt_cache=self.prompt_cache, boundaries=job.boundaries,
             )  # fmt: skip
@@ -213,6 +227,40 @@ class Decoder:
             job.put("error", _failed(e))
             return
         self._finished(job, result)
+
+
+    def release(self) -> None:
+        """In a pipeline: tell the other ranks that no job will come (they exit)."""
+        if self.stage is not None:
+            with contextlib.suppress(RuntimeError):  # a rank already gone
+                share(self.stage, None)
+
+
+def _job_fields(job: Job) -> dict:
+    """What every rank of a pipeline needs to decode ``job`` as rank 0 does."""
+    s = job.sampling
+    return {"ids": job.ids, "boundaries": job.boundaries, "max_tokens": job.max_tokens,
+            "seed": job.seed, "stop": job.stop,
+            "sampling": {"temp": s.temp, "top_p": s.top_p, "top_k": s.top_k,
+                         "min_p": s.min_p}}  # fmt: skip
+
+
+def follow(loaded: Loaded, block_size: int | None = None, force_mtp: bool = False) -> None:
+    """A pipeline rank other than 0 under ``mtp serve``: decode each job rank 0 hands on, in
+    step with it (the same tokens; its text goes nowhere), until rank 0 says no more will come.
+    A signal is left to rank 0, which ends the running job and then the others."""
+    stage = loaded.target.stage
+    assert stage is not None and not stage.last, "rank 0 serves; the others follow"
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    while (data := share(stage)) is not None:
+        f = json.loads(data)
+        with contextlib.suppress(MtpError):  # rank 0 answers it; this rank goes on
+            generate(loaded, f["ids"], max_tokens=f["max_tokens"],
+                     sampling=SamplingParams(**f["sampling"]), block_size=block_size,
+                     force_mtp=force_mtp, seed=f["seed"], stop=f["stop"],
+                     cancelled=lambda: share_flag(stage, False),
+                     boundaries=f["boundaries"])  # fmt: skip
 
 
 def _failed(e: Exception) -> BadRequest:
@@ -623,6 +671,7 @@ def serve(loaded: Loaded, model_id: str, *, host: str = "127.0.0.1", port: int =
         if stopped_by:
             note("stopping")
         decoder.refuse_queued()
+        decoder.release()
         deadline = time.monotonic() + STOP_BOUND_S
         server.should_exit = True
         http.join(timeout=max(deadline - time.monotonic(), 0.1))

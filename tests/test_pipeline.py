@@ -97,14 +97,67 @@ def test_more_ranks_than_layers_is_a_named_error_on_every_rank():
     assert "exited with code 1" in proc.stdout + proc.stderr
 
 
-def test_serve_refuses_to_run_split(monkeypatch, capsys):
-    """Each rank runs this check before it loads anything (that a refusal reaches every rank
-    of a real split: the standard-input test below)."""
+def test_serve_split_decodes_one_request_at_a_time(monkeypatch, capsys):
+    """Each rank runs this check before it loads anything."""
     import mtpcli.models.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "launched", lambda: True)
-    assert run(["serve", "--port", str(_port())]) == 1
-    assert "mtp serve runs in one process" in capsys.readouterr().err
+    assert run(["serve", "--port", str(_port()), "--max-batch", "2"]) == 1
+    assert "--max-batch above 1 runs in one process" in capsys.readouterr().err
+
+
+def test_serve_split_answers_as_one_process_and_stops_on_ctrl_c(tmp_path):
+    """``mtp serve`` on 2 ranks: rank 0 serves, the other decodes each request beside it; the
+    answers are ``mtp generate``'s in one process (MTP forced, greedy and seeded); Ctrl-C to
+    the process group ends a running stream with its last event and every process."""
+    import os
+    import signal
+    import time
+
+    import httpx
+
+    port = _port()
+    argv = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", "2", "--starting-port",
+            str(_port()), "--python", sys.executable, str(BIN / "mtp"), "serve", "--port",
+            str(port), "--draft-kind", "mtp"]  # fmt: skip
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - the processes hold it
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+    log.close()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, (
+                tmp_path / "serve.log"
+            ).read_text()
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        for prompt, extra, flags in [("def parse_args(argv):", {}, []),
+                                     ("class Parser:", {"temperature": 0.8, "seed": 3},
+                                      ["--temp", "0.8", "--seed", "3"])]:  # fmt: skip
+            body = {"model": "example", "prompt": prompt, "max_tokens": 20} | extra
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+            want = _alone(["generate", "--prompt", prompt, "--max-tokens", "20", "--json",
+                           "--draft-kind", "mtp", "--ignore-chat-template", *flags])  # fmt: skip
+            assert r.json()["choices"][0]["text"] == want["text"]
+            assert r.json()["mtp"]["engaged"]
+        body = {"model": "example", "prompt": "import os\n", "max_tokens": 3000, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line).startswith("data: {")
+            os.killpg(proc.pid, signal.SIGINT)
+            rest = [line for line in lines if line]
+        proc.wait(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"] == "cancelled"
+    assert "rank 0 exited with code 130" in (tmp_path / "serve.log").read_text()
 
 
 def test_bench_runs_split_and_rank_0_reports():

@@ -99,3 +99,20 @@ def shared_seed(stage: Stage) -> int:
     """A random seed drawn by rank 0 and known to every rank (sampling stays in step)."""
     mine = mx.random.randint(0, 2**31 - 1, (1,)) if stage.last else mx.zeros((1,), mx.int32)
     return int(mx.distributed.all_sum(mine.astype(mx.int32), group=stage.group).item())
+
+
+def share(stage: Stage, data: bytes | None = None) -> bytes | None:
+    """Rank 0's ``data`` on every rank (the others pass nothing; rank 0's None arrives as None,
+    the end of an exchange): two ``all_sum``s, the length, then the bytes."""
+    n = (-1 if data is None else len(data)) if stage.last else 0
+    n = int(mx.distributed.all_sum(mx.array([n], mx.int32), group=stage.group).item())
+    if n <= 0:
+        return None if n < 0 else b""
+    mine = mx.array(list(data), mx.int32) if stage.last else mx.zeros((n,), mx.int32)  # [n]
+    return bytes(mx.distributed.all_sum(mine, group=stage.group).astype(mx.uint8).tolist())
+
+
+def share_flag(stage: Stage, flag: bool) -> bool:
+    """Rank 0's ``flag`` on every rank (the others' is ignored)."""
+    mine = mx.array([int(flag and stage.last)], mx.int32)
+    return bool(mx.distributed.all_sum(mine, group=stage.group).item())
