@@ -173,8 +173,8 @@ def test_peers_on_a_synthetic_model_and_no_timed_run_starts_on_dropped_traces(ca
     timed, cold = {"on": False}, []
     begin, run_arm = LayerFunctions.begin, bench.run_arm
 
-    def watched_begin(self, T):
-        warm = begin(self, T)
+    def watched_begin(self, T, B=1):
+        warm = begin(self, T, B)
         if timed["on"] and not warm and T <= COMPILE_MAX_T:  # longer prompts never compile
             cold.append(T)
         return warm
