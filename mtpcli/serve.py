@@ -228,7 +228,6 @@ class Decoder:
             return
         self._finished(job, result)
 
-
     def release(self) -> None:
         """In a pipeline: tell the other ranks that no job will come (they exit)."""
         if self.stage is not None:
