@@ -340,11 +340,14 @@ def _pipeline_errors():
     except RuntimeError as e:
         if "[ring]" not in str(e):
             raise
+        # mlx.launch stops this process next (SIGTERM): the error is reported once, whole
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise PipelineError(f"the pipeline lost a process ({e}); its error, if it had one, is "
                             "above") from e  # fmt: skip
 
 
 def _pipeline_ended(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut this error's report
     raise PipelineError("another process of the pipeline ended, so mlx.launch stopped this "
                         "one; its error is above")  # fmt: skip
 

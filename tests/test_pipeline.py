@@ -213,3 +213,23 @@ def test_a_rank_that_dies_stops_the_other_with_a_named_error():
     assert "exited with code 3" in out and "Traceback" not in out
     assert "error: another process of the pipeline ended" in out or \
         "error: the pipeline lost a process" in out  # fmt: skip
+
+
+def test_a_lost_process_is_reported_once_whatever_signal_follows():
+    """A rank that learns from the ring that another ended reports it, and the SIGTERM that
+    mlx.launch sends next cannot cut that report short (under load it once came while the
+    error was being printed, and a traceback followed)."""
+    import os
+    import signal
+    import time
+
+    from mtpcli import cli
+
+    old = signal.signal(signal.SIGTERM, cli._pipeline_ended)
+    try:
+        with pytest.raises(PipelineError, match="lost a process"), cli._pipeline_errors():
+            raise RuntimeError("[ring] connection to a peer was lost")
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's, while the error is reported
+        time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGTERM, old)
