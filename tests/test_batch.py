@@ -12,12 +12,12 @@ from mtpcli.engine import batch as batch_mod
 from mtpcli.engine.batch import Batch
 from mtpcli.engine.classic import generate_classic
 from mtpcli.engine.sampling import SamplingParams
-from mtpcli.errors import BatchNotSupportedError, ContextTooLongError
+from mtpcli.errors import BatchNotSupportedError, ContextTooLongError, UsageError
 
 # (prompt, max_tokens, sampling, seed, step it joins at, step its client leaves at)
 REQUESTS = [
     ([5, 9, 13, 200, 7], 24, SamplingParams(), None, 0, None),
-    ([300, 2, 2, 2, 2, 2, 2, 11, 12], 20, SamplingParams(temp=1.0), 11, 0, None),
+    ([250, 2, 2, 2, 2, 2, 2, 11, 12], 20, SamplingParams(temp=1.0), 11, 0, None),
     ([44] * 23, 30, SamplingParams(), None, 3, None),  # joins mid-way, prompt of another length
     ([1, 2, 3], 8, SamplingParams(temp=0.8, top_k=5, min_p=0.05), 3, 4, None),  # leaves early
     ([17, 18], 40, SamplingParams(), None, 1, 9),  # its client leaves after 9 steps
@@ -109,6 +109,12 @@ def test_a_request_past_the_context_is_refused_and_the_batch_goes_on(load):
     limit = target.config.text.max_position_embeddings
     with pytest.raises(ContextTooLongError):
         batch.add([5, 6], max_tokens=limit)
+    vocab = target.config.text.vocab_size  # an id past the embedding's rows: refused, named
+    for bad in ([5, vocab], [-1, 5]):
+        with pytest.raises(UsageError, match="outside the target's vocabulary"):
+            batch.add(bad, max_tokens=4)
+        with pytest.raises(UsageError, match="outside the target's vocabulary"):
+            list(generate_classic(target, bad, max_tokens=4))
     assert len(batch.rows) == 1 and batch.step()[0].token is not None
 
 

@@ -27,6 +27,16 @@ def prompt_array(prompt) -> mx.array:
     return arr.astype(mx.int32)
 
 
+def check_ids(target: Target, tokens: mx.array) -> None:
+    """Refuse prompt ids [1, L] outside the target's vocabulary: the embedding would be read
+    past its rows (whatever memory lies there, now and then NaN)."""
+    vocab = target.config.text.vocab_size
+    low, high = mx.min(tokens).item(), mx.max(tokens).item()
+    if low < 0 or high >= vocab:
+        raise UsageError(f"holds the token id {low if low < 0 else high}, outside the target's "
+                         f"vocabulary of {vocab} ids (0..{vocab - 1})", param="prompt")  # fmt: skip
+
+
 def check_room(target: Target, prompt_tokens: int, max_tokens: int) -> None:
     """Refuse a generation that would run past the model's positions (or forever)."""
     limit = target.config.text.max_position_embeddings

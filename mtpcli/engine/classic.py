@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from ..models import Target
 from ..stats import GenerationStats
-from . import check_room, first_logits, prompt_array
+from . import check_ids, check_room, first_logits, prompt_array
 from .prompt_cache import PromptCache, PromptStart
 from .sampling import SamplingParams, check_finite, pick_checked, readback
 
@@ -51,6 +51,7 @@ def start_classic(
     the cache, that token and its ``readback``, evaluated; the prompt's figures in ``stats``."""
     tokens = prompt_array(prompt)
     check_room(target, tokens.shape[1], max_tokens)
+    check_ids(target, tokens)
     start = time.perf_counter()
     ps = PromptStart(prompt_cache, tokens[0].tolist(), boundaries)
     cache = target.restore(ps.snapshot.target) if ps.snapshot else target.make_cache()

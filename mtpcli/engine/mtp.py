@@ -23,7 +23,7 @@ from ..config import check_block_size
 from ..drafters import Drafter
 from ..models import ForwardOut, Target
 from ..stats import GenerationStats, MTPStats
-from . import check_room, first_logits, prompt_array
+from . import check_ids, check_room, first_logits, prompt_array
 from .classic import decode_step, read_token
 from .prompt_cache import PromptCache, PromptStart
 from .sampling import (
@@ -237,6 +237,7 @@ def generate_mtp(
     eos = set(eos_ids)
     tokens = prompt_array(prompt)
     check_room(target, tokens.shape[1], max_tokens)
+    check_ids(target, tokens)
     start = time.perf_counter()
     ids = tokens[0].tolist()
     # Sampled drafts depend on the drafter's rows, which a resumed catch-up computes in other
