@@ -3,6 +3,7 @@ same target module and the same prompt tokens, alternating, each a median (min-m
 
     python scripts/bench_prefill.py                       # the built-in example, 2,761 tokens
     python scripts/bench_prefill.py --tokens 8192 --json out.json
+    python scripts/bench_prefill.py --model /root/q27/target   # scripts/write_synthetic.py
 
 Ours is timed to the first generated token (``GenerationStats.prompt_s``: the prefill and the
 first pick), mlx-lm's likewise (its generator's first token).
@@ -48,11 +49,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2761)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a target directory instead of the built-in example's")  # fmt: skip
     args = ap.parse_args()
     if args.tokens < 2 or args.repeats < 1:
         ap.error("--tokens must be at least 2 and --repeats at least 1")
     t, d = ensure_example()
-    target = load_pair(str(t), str(d)).target
+    target = load_pair(str(args.model or t), None if args.model else str(d)).target
     vocab = target.config.text.vocab_size
     prompt = [(i * 7919 + 13) % min(vocab, 4096) for i in range(args.tokens)]
     load = os.getloadavg()
@@ -65,14 +68,15 @@ def main() -> None:
     summary = {k: {"median": statistics.median(v), "min": min(v), "max": max(v), "runs": v}
                for k, v in runs.items()}  # fmt: skip
     record = {
-        "what": f"prompt tok/s, {args.tokens} tokens, built-in example target",
+        "what": f"prompt tok/s, {args.tokens} tokens, target {args.model or 'built-in example'}",
         "tok_s": summary,
         "ours_vs_mlx_lm": summary["ours"]["median"] / summary["mlx_lm"]["median"],
         "machine": {"platform": platform.platform(), "device": str(mx.default_device()),
                     "cpus": os.cpu_count(), "load_before": load, "load_after": os.getloadavg()},
         "versions": {"mlx": mx.__version__},
         "command": "python scripts/bench_prefill.py " + " ".join(
-            f"--{k} {v}" for k, v in (("tokens", args.tokens), ("repeats", args.repeats))),
+            f"--{k} {v}" for k, v in (("tokens", args.tokens), ("repeats", args.repeats),
+                                      ("model", args.model)) if v is not None),
     }  # fmt: skip
     for k, v in summary.items():
         print(f"{k}: {v['median']:.1f} tok/s ({v['min']:.1f}-{v['max']:.1f})")

@@ -161,7 +161,8 @@ def main() -> None:
         "what": f"concurrent chat clients, {name}, streaming, temperature 0: aggregate "
                 "completion tokens/s over the wall time, latency and time to first text",
         "servers": results,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+        "machine": {"platform": platform.platform(), "device": str(mx.default_device()),
+                    "cpus": os.cpu_count(),
                     "load_before": load, "load_after": os.getloadavg()},
         "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
         "command": f"python scripts/bench_serve.py --requests {args.requests} --repeats "
