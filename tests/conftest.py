@@ -142,10 +142,23 @@ def length_attention(q, k, v, gate, q_norm, k_norm, eps, keys, values, rope, sca
     return o * mx.sigmoid(gate.reshape(B, T, -1)), k
 
 
+def rows_length_attention(q, k, v, gate, q_norm, k_norm, eps, keys, values, lengths, rope,
+                          scale, mode="auto"):  # fmt: skip
+    """``decode_attention_rows``' contract: row b of the batch's buffers at its own length
+    ``lengths[b]``, each as ``length_attention`` (a row at a time, in ops)."""
+    outs = [length_attention(*(x[b : b + 1] for x in (q, k, v, gate)), q_norm, k_norm, eps,
+                             keys[b : b + 1], values[b : b + 1], rope, scale,
+                             length=lengths[b : b + 1]) for b in range(q.shape[0])]  # fmt: skip
+    return tuple(mx.concatenate(part, axis=0) for part in zip(*outs, strict=True))
+
+
 @pytest.fixture
 def gpu_paths(monkeypatch):
     """The model's GPU choices on the CPU: the attention kernels' path (as above) for every
-    decode step and verify block, trusted as the native kernels are once checked."""
+    decode step and verify block, and for a batch of requests' rows at their own lengths,
+    trusted as the native kernels are once checked."""
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(tm, "decode_attention", length_attention)
+    monkeypatch.setattr(tm, "decode_attention_rows", rows_length_attention)
     monkeypatch.setattr(tm, "native_block", lambda *a, **k: True)
+    monkeypatch.setattr(tm, "native_rows", lambda *a, **k: True)

@@ -175,3 +175,41 @@ def test_a_request_that_starts_as_an_earlier_one_resumes_from_its_snapshot(load)
                 got[e.row.owner].append(e.token)
         batch.drop([e.row for e in out if e.ended])
     assert got[1] == _alone(target, second, 12, SamplingParams(), None)
+
+
+def test_on_the_gpu_path_a_batch_attends_in_one_call_each_row_at_its_own_length(
+    load, gpu_paths, monkeypatch
+):
+    """The GPU's choices on the CPU (``gpu_paths``): a batch's attention layer is one call for
+    every row with each row's length, the new keys written at each row's own length
+    (``BatchKV.write``), the batch's steps run as one compiled graph once settled, and every
+    row decodes what it decodes alone there. Mutation: every row read at the first row's
+    length changes the tokens."""
+    import conftest
+
+    from mtpcli.models import qwen3_5 as tm
+
+    shared = load(bits=4).target
+    target = shared.with_options(shared.options)  # traces of its own, under these paths
+    requests = [r for r in REQUESTS if r[2].greedy]
+    want = [_alone(target, *r[:4]) for r in requests]
+    calls = []
+
+    def counted(q, *args, **kw):
+        calls.append(q.shape[0])
+        return conftest.rows_length_attention(q, *args, **kw)
+
+    monkeypatch.setattr(tm, "decode_attention_rows", counted)
+    got = _batched(target, requests)
+    for i, w in enumerate(want):
+        assert got[i] == (w if requests[i][5] is None else w[: len(got[i])]), f"request {i}"
+    assert max(calls) == len(requests) and (1, False) in target.batch_graph_lengths
+
+    def one_length(q, k, v, gate, q_norm, k_norm, eps, keys, values, lengths, *rest, **kw):
+        lengths = mx.broadcast_to(lengths[:1], lengths.shape)
+        return conftest.rows_length_attention(q, k, v, gate, q_norm, k_norm, eps, keys, values,
+                                              lengths, *rest, **kw)  # fmt: skip
+
+    monkeypatch.setattr(tm, "decode_attention_rows", one_length)
+    got = _batched(target.with_options(target.options), requests)
+    assert any(got[i] != w[: len(got[i])] for i, w in enumerate(want))

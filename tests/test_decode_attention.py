@@ -53,11 +53,12 @@ def _ops(args, scale):
 
 
 def _emulated(
-    args, scale, metal=False, partial=None, buffers=None
+    args, scale, metal=False, partial=None, buffers=None, lengths=None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(out, new key) of the two kernels in emulation: bf16 bits (CUDA) or float32 (Metal).
     ``buffers`` (keys, values): longer buffers whose first N rows are args' keys and values,
-    given to the kernels in their place with N as their ``cached`` input (the model's way)."""
+    given to the kernels in their place with N as their ``cached`` input (the model's way).
+    ``lengths``: each row's own N instead (a batch of requests)."""
     q, k, v, gate, qw, kw, keys, values = args
     B, T, Hq, D = q.shape
     N = keys.shape[2]
@@ -71,7 +72,7 @@ def _emulated(
         host = {n: np.array(a.view(mx.uint16)) for n, a in given.items()}
         host_gate, constants = np.array(gate.view(mx.uint16)), {"InT": "__nv_bfloat16"}
         types = dict.fromkeys(names + ["gate"], "InT")
-    cached = np.array([N], np.int32)
+    cached = np.array([N] if lengths is None else lengths, np.int32)
     header, partial_src, combine_src = da.sources(metal, EPS, ROPE, scale)
     shapes = da.launch_shapes(B, T, Hq, k.shape[2], D)
     parts = cuda_emulation.run(
@@ -87,6 +88,23 @@ def _emulated(
         shapes["combine_threadgroup"], header=header, types=types and {"gate": "InT"},
     )  # fmt: skip
     return combined["out"], parts["k_out"]
+
+
+@emulated
+def test_emulated_rows_each_read_their_own_length():
+    """A batch of requests: rows in one buffer at their own lengths (one split and three),
+    each row bitwise the kernels on that row alone; one length for both rows differs."""
+    args = _inputs(B=2, N=40, Hq=2, Hkv=1)
+    lengths = [5, 37]
+    got = _emulated(args, 128**-0.5, buffers=args[6:], lengths=lengths)
+    for b, n in enumerate(lengths):
+        row = tuple(a[b : b + 1] for a in args[:4]) + args[4:6]
+        alone = _emulated((*row, args[6][b : b + 1, :, :n], args[7][b : b + 1, :, :n]),
+                          128**-0.5)  # fmt: skip
+        for a, want in zip(got, alone, strict=True):
+            assert np.array_equal(a[b : b + 1], want)
+    same = _emulated(args, 128**-0.5, buffers=args[6:], lengths=[37])
+    assert not np.array_equal(same[0][:1], got[0][:1])
 
 
 @emulated
@@ -369,3 +387,21 @@ def test_cuda_kernels_match_the_reference(dtype):
             assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), rtol=2e-2,
                                atol=2e-2).item(), f"N = {N}"  # fmt: skip
             assert mx.array_equal(a, c).item(), f"N = {N}: not deterministic"
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 3])
+def test_cuda_rows_at_their_own_lengths_equal_each_row_alone(T):
+    """A batch of requests in one launch pair, each row at its own length (one split, an
+    edge, many): bitwise the launch on that row alone; the entry takes this path."""
+    args = _inputs(mx.bfloat16, B=3, Hq=24, Hkv=4, N=400, D=256, seed=T, T=T)
+    lengths = [1, 16, 377]
+    got = da.decode_attention_rows(*args[:6], EPS, *args[6:], mx.array(lengths, mx.int32),
+                                   ROPE, 0.0625)  # fmt: skip
+    assert got is not None
+    for b, n in enumerate(lengths):
+        row = (*(x[b : b + 1] for x in args[:4]), *args[4:6], EPS)
+        alone = da.decode_attention_native(*row, args[6][b : b + 1], args[7][b : b + 1], ROPE,
+                                           0.0625, length=mx.array([n], mx.int32))  # fmt: skip
+        for a, want in zip(got, alone, strict=True):
+            assert mx.array_equal(a[b : b + 1], want).item(), f"row {b} at {n}"

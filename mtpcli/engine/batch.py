@@ -2,9 +2,10 @@
 leave it when they end; one forward decodes a token of every row.
 
 Each row's tokens are those the request decodes alone (``generate_classic``): its prompt is
-processed alone, its attention reads only its own cache (``RowCaches``), the other operations
-are row-invariant (the products where they run batched, ``models/row_policy.py``), and a
-seeded sample draws from the row's own key chain (``KeyChain``) in the order it would alone.
+processed alone, its attention reads only its own rows of the cache (``BatchKV``), the other
+operations are row-invariant (the products where they run batched, ``models/row_policy.py``),
+and a seeded sample draws from the row's own key chain (``KeyChain``) in the order it would
+alone.
 """
 
 from __future__ import annotations

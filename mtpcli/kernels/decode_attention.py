@@ -131,10 +131,12 @@ _PARTIAL = """
     const int Hq = q_shape[2];
     const int Hkv = k_shape[2];
     const int G = Hq / Hkv;
-    const int N = cached[0];  // the cache's rows: read here, so one launch serves every N
     const int total = T * MAX_SPLITS;  // a head's threadgroups: every position's most splits
     const int h = (blk / total) % Hq;
     const int b = blk / (total * Hq);
+    // the cache's rows, read here so that one launch serves every N: one N for all of the
+    // batch, or row b's own (a batch of requests, each at its own length)
+    const int N = cached[cached_shape[0] == 1 ? 0 : b];
     const int hk = h / G;
     const int t = (blk % total) / MAX_SPLITS;
     const int split = blk % MAX_SPLITS;
@@ -217,11 +219,11 @@ _COMBINE = """
     {{THREAD_INDICES}}
     const int T = gate_shape[1];
     const int Hq = gate_shape[2];
-    const int N = cached[0];
     const int total = T * MAX_SPLITS;
     const int h = blk % Hq;
     const int t = (blk / Hq) % T;
     const int b = blk / (Hq * T);
+    const int N = cached[cached_shape[0] == 1 ? 0 : b];
     const int S = SPLITS(N + t + 1);
     const size_t first = (size_t)(b * Hq + h) * total + t * MAX_SPLITS;
     DEVICE const float* pm = part_m + first;
@@ -374,15 +376,8 @@ def _self_check(dtype, wdtype, D: int, eps: float, rope: Rope, scale: float,
     given as the first N rows of a longer buffer with N on the device (as the model gives it),
     for one position, or (``block``) for blocks of three, whose rows must also be the
     one-position launches' bitwise (decode steps')."""
-    kq, kk, kv, kg, kw, kc = mx.random.split(mx.random.key(1357), 6)
-    B, T, Hq, Hkv = 2, 3, 6, 2
-    q = (mx.random.normal((B, T, Hq, D), key=kq) * 2).astype(dtype)
-    k = (mx.random.normal((B, T, Hkv, D), key=kk) * 2).astype(dtype)
-    v = mx.random.normal((B, T, Hkv, D), key=kv).astype(dtype)
-    gate = mx.random.normal((B, T, Hq, D), key=kg).astype(dtype)
-    qw, kw_ = (mx.random.uniform(0.5, 1.5, (D,), key=key).astype(wdtype)
-               for key in mx.random.split(kw))  # fmt: skip
-    buffer = mx.random.normal((2, B, Hkv, 160, D), key=kc).astype(dtype)
+    q, k, v, gate, qw, kw_, buffer = _check_inputs(dtype, wdtype, D)
+    T = q.shape[1]
     tol = 2e-2 if dtype != mx.float32 else 1e-4
     for N, rows in ((14, T), (131, T)) if block else ((5, 1), (131, 1)):  # 14: across an edge
         keys, values = buffer[0, :, :, :N], buffer[1, :, :, :N]
@@ -404,6 +399,68 @@ def _self_check(dtype, wdtype, D: int, eps: float, rope: Rope, scale: float,
                 return f"differs from the reference at N = {N}, T = {rows} by up to " \
                        f"{mx.abs(a - b).max().item():.3g}"  # fmt: skip
     return None
+
+
+def _check_inputs(dtype, wdtype, D: int) -> tuple:
+    """The self-checks' input: q, k, v, gate of B=2 rows and T=3 positions, the norms'
+    weights, and a [2, B, Hkv, 160, D] buffer of keys and values."""
+    kq, kk, kv, kg, kw, kc = mx.random.split(mx.random.key(1357), 6)
+    B, T, Hq, Hkv = 2, 3, 6, 2
+    q = (mx.random.normal((B, T, Hq, D), key=kq) * 2).astype(dtype)
+    k = (mx.random.normal((B, T, Hkv, D), key=kk) * 2).astype(dtype)
+    v = mx.random.normal((B, T, Hkv, D), key=kv).astype(dtype)
+    gate = mx.random.normal((B, T, Hq, D), key=kg).astype(dtype)
+    qw, kw = (mx.random.uniform(0.5, 1.5, (D,), key=key).astype(wdtype)
+              for key in mx.random.split(kw))  # fmt: skip
+    buffer = mx.random.normal((2, B, Hkv, 160, D), key=kc).astype(dtype)
+    return q, k, v, gate, qw, kw, buffer
+
+
+def _rows_check(dtype, wdtype, D: int, eps: float, rope: Rope, scale: float,
+                T: int) -> str | None:  # fmt: skip
+    """A batch of requests' rows in one buffer at lengths of their own (one split and
+    several): each row bitwise the launch on that row alone."""
+    q, k, v, gate, qw, kw, buffer = _check_inputs(dtype, wdtype, D)
+    lengths = (5, 131)
+    try:
+        head = (q[:, :T], k[:, :T], v[:, :T], gate[:, :T], qw, kw, eps)
+        got = decode_attention_native(*head, buffer[0], buffer[1], rope, scale,
+                                      length=mx.array(lengths, mx.int32))  # fmt: skip
+        alone = [decode_attention_native(*(x[b : b + 1] for x in head[:4]), *head[4:],
+                                         buffer[0, b : b + 1], buffer[1, b : b + 1], rope, scale,
+                                         length=mx.array([n], mx.int32))
+                 for b, n in enumerate(lengths)]  # fmt: skip
+        mx.eval(got, alone)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
+        return f"{type(e).__name__}: {e}"
+    for b, row in enumerate(alone):
+        for a, want in zip(got, row, strict=True):
+            if not mx.array_equal(a[b : b + 1], want).item():
+                return f"a row at length {lengths[b]} differs from its launch alone"
+    return None
+
+
+def decode_attention_rows(q, k, v, gate, q_norm, k_norm, eps: float, keys, values,
+                          lengths: mx.array, rope: Rope | None, scale: float,
+                          mode: str = "auto") -> tuple[mx.array, mx.array] | None:  # fmt: skip
+    """A batch of requests, row b at its own cache length ``lengths[b]`` (int32 [B]; keys and
+    values the batch's buffers [B, Hkv, capacity, D]), in one launch pair where the native
+    kernels are trusted for it (each row then bitwise its launch alone, checked once); None
+    elsewhere: the caller goes row by row through ``decode_attention``."""
+    if backend() == "cpu" or not supported(q, k, keys, rope):
+        return None
+    D, key = q.shape[-1], _key(q, q_norm, eps, rope, scale)
+    dtypes = (q.dtype, q_norm.dtype, D, eps, rope, scale)
+    T = q.shape[1]
+    if not (
+        use_native("decode_attention", key, lambda: _self_check(*dtypes), mode)
+        and (T == 1 or use_native("decode_attention_block", key,
+                                  lambda: _self_check(*dtypes, block=True), mode))
+        and use_native(f"decode_attention_rows_{T}", key, lambda: _rows_check(*dtypes, T), mode)
+    ):  # fmt: skip
+        return None
+    return decode_attention_native(q, k, v, gate, q_norm, k_norm, eps, keys, values, rope, scale,
+                                   length=lengths)  # fmt: skip
 
 
 def decode_attention(q, k, v, gate, q_norm, k_norm, eps: float, keys, values, rope: Rope | None,
@@ -451,6 +508,16 @@ def native_block(q, k, keys, q_norm, eps: float, rope: Rope | None, scale: float
     key = _key(q, q_norm, eps, rope, scale)
     return trusted("decode_attention", key, mode) and (
         q.shape[1] == 1 or trusted("decode_attention_block", key, mode)
+    )
+
+
+def native_rows(q, k, keys, q_norm, eps: float, rope: Rope | None, scale: float,
+                mode: str = "auto") -> bool:  # fmt: skip
+    """``native_block`` for ``decode_attention_rows``: the batch's rows run in one launch pair
+    with every check already passed."""
+    key = _key(q, q_norm, eps, rope, scale) if rope is not None else None
+    return native_block(q, k, keys, q_norm, eps, rope, scale, mode) and trusted(
+        f"decode_attention_rows_{q.shape[1]}", key, mode
     )
 
 

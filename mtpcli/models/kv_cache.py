@@ -117,7 +117,92 @@ class GraphKV:
         self.values = mx.slice_update(self.values, values, self._length, axes=(2,))
 
 
-class RowCaches(list):
-    """One attention layer's caches in a batch of requests (``engine/batch.py``): each row's
-    own ``RowsKVCache``. Rows hold different lengths; each row's attention reads its own
-    cache alone, so its arithmetic is the one it has decoding by itself."""
+class BatchKV:
+    """One attention layer's cache in a batch of requests (``engine/batch.py``): every row's
+    keys and values in one pair of buffers [B, Hkv, capacity, D], row b's first ``lengths[b]``
+    rows filled. Each row's attention reads its own rows alone (the decode-attention kernels
+    take a length per row), so its arithmetic is the one it has decoding by itself."""
+
+    filled = True
+    step = 256  # rows the buffers grow by (mlx-lm's KVCache step)
+
+    def __init__(self, keys: mx.array, values: mx.array, lengths: list[int] | None,
+                 device: mx.array | None = None):  # fmt: skip
+        """``lengths`` on the host; inside a compiled forward None, and ``device`` (int32
+        [B], an input of the graph) holds them."""
+        self.keys, self.values, self.lengths = keys, values, lengths
+        self._device = device
+
+    @classmethod
+    def join(cls, batch: BatchKV | None, cache: RowsKVCache) -> BatchKV:
+        """``batch`` with a request's own filled cache added as its last row (the buffers
+        padded to one capacity)."""
+        assert cache.filled and cache.device_length is None, "a request joins with its rows"
+        n = cache.offset
+        parts = [(cache.keys[..., :n, :], cache.values[..., :n, :])]
+        lengths = [n]
+        if batch is not None:
+            parts.insert(0, (batch.keys, batch.values))
+            lengths = [*batch.lengths, n]
+        capacity = -(-max(n, max(a.shape[2] for a, _ in parts)) // cls.step) * cls.step
+
+        def pad(a: mx.array) -> mx.array:
+            more = capacity - a.shape[2]
+            return a if more == 0 else mx.pad(a, [(0, 0), (0, 0), (0, more), (0, 0)])
+
+        keys = mx.concatenate([pad(k) for k, _ in parts], axis=0)  # [B, Hkv, capacity, D]
+        values = mx.concatenate([pad(v) for _, v in parts], axis=0)
+        return cls(keys, values, lengths)
+
+    def keep(self, rows: list[int]) -> BatchKV:
+        """The batch with only ``rows`` (indices, in order)."""
+        idx = mx.array(rows, mx.int32)
+        return BatchKV(mx.take(self.keys, idx, axis=0), mx.take(self.values, idx, axis=0),
+                       [self.lengths[r] for r in rows])  # fmt: skip
+
+    def length(self) -> mx.array:
+        """Each row's filled rows as an int32 [B] array."""
+        if self._device is None:
+            self._device = mx.array(self.lengths, mx.int32)
+        return self._device
+
+    def reserve(self, n: int) -> None:
+        """Grow the buffers so that every row takes ``n`` more rows (before a forward: a
+        buffer grown inside a graph would make a new graph each step)."""
+        have = self.keys.shape[2]
+        if max(self.lengths) + n <= have:
+            return
+        more = -(-(max(self.lengths) + n - have) // self.step) * self.step
+        self.keys, self.values = (mx.pad(a, [(0, 0), (0, 0), (0, more), (0, 0)])
+                                  for a in (self.keys, self.values))  # fmt: skip
+
+    def write(self, keys: mx.array, values: mx.array) -> None:
+        """Append T rows to each row at its own length: keys and values [B, Hkv, T, D] (the
+        buffers hold them: ``reserve``)."""
+        T = keys.shape[2]
+        at = self.length().reshape(-1, 1, 1, 1) + mx.arange(T, dtype=mx.int32).reshape(1, 1, T, 1)
+        self.keys = mx.put_along_axis(self.keys, at, keys, axis=2)  # at: [B, 1, T, 1]
+        self.values = mx.put_along_axis(self.values, at, values, axis=2)
+        self.advance(T)
+
+    def advance(self, T: int) -> None:
+        """Every row took T rows (here, or in a graph)."""
+        if self.lengths is None:
+            self._device = self._device + T
+        else:
+            self.lengths, self._device = [n + T for n in self.lengths], None
+
+    def row(self, b: int) -> RowsKVCache:
+        """Row b as a cache of its own (its rows copied out on write; ``put_row`` puts them
+        back): for the attention paths that go row by row."""
+        out = RowsKVCache()
+        out.keys, out.values = self.keys[b : b + 1], self.values[b : b + 1]
+        out.offset = self.lengths[b]
+        return out
+
+    def put_rows(self, rows: list[RowsKVCache]) -> None:
+        """The rows of ``row`` back after each took the same number of new rows."""
+        self.keys = mx.concatenate([r.keys for r in rows], axis=0)
+        self.values = mx.concatenate([r.values for r in rows], axis=0)
+        self.lengths = [r.offset for r in rows]
+        self._device = None

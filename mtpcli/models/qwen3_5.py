@@ -24,7 +24,14 @@ from .. import kernels
 from ..config import ModelConfig
 from ..errors import LayoutError
 from ..kernels import moe_route
-from ..kernels.decode_attention import MAX_T, Rope, decode_attention, native_block
+from ..kernels.decode_attention import (
+    MAX_T,
+    Rope,
+    decode_attention,
+    decode_attention_rows,
+    native_block,
+    native_rows,
+)
 from ..kernels.gated_delta import gated_delta_conv
 from ..kernels.gated_norm import gated_norm_in_place
 from ..kernels.pick_kept import pick_kept
@@ -33,7 +40,7 @@ from ..layout import gather, stores_w_minus_1
 from ..options import Options
 from ..weights import load_arrays, load_module_weights, read_inventory
 from . import ForwardOut, GatedDeltaTrace
-from .kv_cache import GraphKV, RowCaches, RowsKVCache, held
+from .kv_cache import BatchKV, GraphKV, RowsKVCache, held
 from .pipeline import Stage, hand_on, receive
 from .quantized_layers import (
     FusedExperts,
@@ -109,7 +116,7 @@ def _attention_pre(m, h, norm, fused=None):
     return q, k, v, gate
 
 
-def rows_rope(m, cache: RowsKVCache | GraphKV, L: int) -> Rope | None:
+def rows_rope(m, cache: RowsKVCache | GraphKV | BatchKV, L: int) -> Rope | None:
     """The rotary spec where L positions after the cache go through ``decode_attention`` on a
     GPU (each row exactly a decode step's), else None (MLX's ops: prefill, the CPU)."""
     if kernels.backend() == "cpu" or not cache.filled or L > MAX_T or m.q_norm.eps != m.k_norm.eps:
@@ -138,6 +145,25 @@ def attention_core(m, q, k, v, gate, mask, cache: RowsKVCache | GraphKV,
     out = scaled_dot_product_attention(q, k, v, cache=cache, scale=m.scale, mask=mask)
     out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # [B, L, Hq * D]
     return out * mx.sigmoid(gate.reshape(B, L, -1))
+
+
+def batch_attention(m, q, k, v, gate, cache: BatchKV, mode: str = "auto") -> mx.array:
+    """``attention_core`` for a batch of requests, each row on its own rows of the cache at its
+    own length: [B, L, Hq * D]. One launch pair for every row where the decode-attention
+    kernels take the rows' lengths; else row by row, each exactly as that request alone."""
+    L = q.shape[1]
+    got = decode_attention_rows(q, k, v, gate, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps,
+                                cache.keys, cache.values, cache.length(), rows_rope(m, cache, L),
+                                m.scale, mode)  # fmt: skip
+    if got is not None:
+        o, k = got
+        cache.write(k, v.transpose(0, 2, 1, 3))  # [B, Hkv, L, D] each
+        return o
+    rows = [cache.row(b) for b in range(q.shape[0])]
+    o = mx.concatenate([attention_core(m, *(x[b : b + 1] for x in (q, k, v, gate)), None, r, mode)
+                        for b, r in enumerate(rows)], axis=0)  # fmt: skip
+    cache.put_rows(rows)
+    return o
 
 
 class LayerFunctions:
@@ -256,8 +282,9 @@ class Qwen35Target:
         # checks, row probes) and ran each attention layer on the native kernels then runs as
         # one compiled graph of the whole decoder: one call to build where the layer-by-layer
         # pass makes a hundred (docs/design.md, "One graph a step").
-        self._graphs: dict[bool, Callable] = {}  # verify -> the compiled whole forward
-        self._graph_ready: set[tuple[int, bool]] = set()  # (T, verify) seen settled
+        self._graphs: dict[tuple[bool, bool], Callable] = {}  # (verify, rows) -> the forward
+        # (T, verify, a batch of requests' rows) seen settled
+        self._graph_ready: set[tuple[int, bool, bool]] = set()
         self._pass_native = True  # every attention layer of this pass took the native block
         # Routed (MoE) layers on a GPU are never batched in a verify: which rows share an
         # expert's product changes from block to block, so a probe can pass by luck and a later
@@ -435,12 +462,13 @@ class Qwen35Target:
         sig = policy.signature(layer)
         pre, post = self._fn("pre", i, compiled=compiled), self._fn("post", i, compiled=compiled)
         q, k, v, gate = policy.rows(pre, (h,), verify, (sig, "pre"), not self.unprobed[i])
-        if isinstance(cache, RowCaches):  # a batch of requests: each row on its own cache
-            o = mx.concatenate(
-                [attention_core(m, *(x[b : b + 1] for x in (q, k, v, gate)), None, c, self.mode)
-                 for b, c in enumerate(cache)], axis=0)  # fmt: skip
-            return post(h, o)
         rope = rows_rope(m, cache, T)
+        if isinstance(cache, BatchKV):  # a batch of requests: each row on its own rows
+            o = batch_attention(m, q, k, v, gate, cache, self.mode)
+            self._pass_native = self._pass_native and native_rows(
+                q, k, cache.keys, m.q_norm.weight, m.q_norm.eps, rope, m.scale, self.mode
+            )
+            return post(h, o)
         self._pass_native = self._pass_native and native_block(
             q, k, cache.keys, m.q_norm.weight, m.q_norm.eps, rope, m.scale, self.mode
         )
@@ -458,8 +486,14 @@ class Qwen35Target:
 
     @property
     def graph_lengths(self) -> frozenset[tuple[int, bool]]:
-        """The (positions, verify) forwards that now run as one compiled graph."""
-        return frozenset(self._graph_ready)
+        """The (positions, verify) forwards of one request that now run as one compiled
+        graph."""
+        return frozenset((T, verify) for T, verify, rows in self._graph_ready if not rows)
+
+    @property
+    def batch_graph_lengths(self) -> frozenset[tuple[int, bool]]:
+        """The same for a batch of requests' rows (``engine/batch.py``)."""
+        return frozenset((T, verify) for T, verify, rows in self._graph_ready if rows)
 
     def retrace(self) -> None:
         """Forget every traced function and graph: the next passes trace what the model code
@@ -487,9 +521,12 @@ class Qwen35Target:
         """
         T = tokens.shape[1]
         kv = self._kv(cache)
-        rows = bool(kv) and isinstance(kv[0], RowCaches)  # a batch of requests' rows
-        if not rows and (T, verify) in self._graph_ready and kv[0].filled:
-            return self._graph_forward(tokens, cache, verify)
+        rows = bool(kv) and isinstance(kv[0], BatchKV)  # a batch of requests' rows
+        if (T, verify, rows) in self._graph_ready and kv[0].filled:
+            return self._graph_forward(tokens, cache, verify, rows)
+        if rows:
+            for c in kv:
+                c.reserve(T)
         B = tokens.shape[0]
         compiled = self.functions.begin(T, B)
         self.policy.probed, self._pass_native = False, True
@@ -516,28 +553,31 @@ class Qwen35Target:
             h = hand_on(self.stage, h, cache[self.stage.layers[-1]])
         if (
             self.options.graph and compiled and self._pass_native and not self.policy.probed
-            and not any(self.routed_on_gpu) and self.stage is None and not rows
+            and not any(self.routed_on_gpu) and self.stage is None
         ):  # fmt: skip
-            self._graph_ready.add((T, verify))
+            self._graph_ready.add((T, verify, rows))
         return ForwardOut(self.text.model.norm(h), traces if verify else None)
 
-    def _graph_forward(self, tokens: mx.array, cache: list, verify: bool) -> ForwardOut:
+    def _graph_forward(self, tokens: mx.array, cache: list, verify: bool,
+                       rows: bool = False) -> ForwardOut:  # fmt: skip
         """``forward`` as one compiled graph (see ``_graph_ready``): the caches' arrays and
-        the attention caches' length go in as arrays, their new arrays come out."""
+        the attention caches' length (``rows``, a batch of requests: each row's) go in as
+        arrays, their new arrays come out."""
         T, kv = tokens.shape[1], self._kv(cache)
         for c in kv:
             c.reserve(T)  # a buffer grown inside would make a new graph each step
         states = [(c[0], c[1]) if ly.is_linear else (c.keys, c.values)
                   for c, ly in zip(cache, self.layers, strict=True)]  # fmt: skip
-        graph = self._graphs.get(verify)
+        graph = self._graphs.get((verify, rows))
         if graph is None:
-            graph = self._graphs[verify] = mx.compile(
-                lambda tokens, length, states: self._forward_arrays(tokens, length, states, verify)
-            )
+            graph = self._graphs[(verify, rows)] = mx.compile(
+                lambda tokens, length, states: self._forward_arrays(tokens, length, states,
+                                                                    verify, rows)
+            )  # fmt: skip
         length = kv[0].length()
         hidden, new, kept = graph(tokens, length, states)
         # on the device while rounds are in flight (``RowsKVCache.device_length``)
-        after = length + T if kv[0].device_length is not None else None
+        after = length + T if not rows and kv[0].device_length is not None else None
         traces, kept = [], iter(kept)
         for c, ly, (a, b) in zip(cache, self.layers, new, strict=True):
             if ly.is_linear:
@@ -545,7 +585,7 @@ class Qwen35Target:
                 traces.append(GatedDeltaTrace(*next(kept)) if verify else None)
             else:
                 c.keys, c.values = a, b
-                c.advance(T, after)
+                c.advance(T) if rows else c.advance(T, after)
                 traces.append(None)
         return ForwardOut(hidden, traces if verify else None)
 
@@ -554,11 +594,13 @@ class Qwen35Target:
         return [c for c, ly in zip(cache, self.layers, strict=True)
                 if ly is not None and not ly.is_linear]  # fmt: skip
 
-    def _forward_arrays(self, tokens: mx.array, length: mx.array, states: list, verify: bool):
+    def _forward_arrays(self, tokens: mx.array, length: mx.array, states: list, verify: bool,
+                        rows: bool = False):  # fmt: skip
         """The decoder over tokens [B, T] on the caches' arrays (traced by ``_graph_forward``):
         per layer (conv window, state) or (keys, values) buffers, and the attention caches'
-        rows as an int32 [1] ``length``. Returns the final-normed hidden states [B, T, H], each
-        layer's new arrays, and (``verify``) each gated-delta layer's (conv inputs, states)."""
+        rows as an int32 [1] ``length`` (``rows``: [B], each row's). Returns the final-normed
+        hidden states [B, T, H], each layer's new arrays, and (``verify``) each gated-delta
+        layer's (conv inputs, states)."""
         h = self.embed_tokens(tokens)  # [B, T, H]
         new, kept = [], []
         for i, (layer, (a, b)) in enumerate(zip(self.layers, states, strict=True)):
@@ -569,7 +611,7 @@ class Qwen35Target:
                 if verify:
                     kept.append((trace.conv_input, trace.states))
             else:
-                c = GraphKV(a, b, length)
+                c = BatchKV(a, b, None, device=length) if rows else GraphKV(a, b, length)
                 h = self._attention_layer(i, h, None, c, verify, compiled=False)
                 new.append((c.keys, c.values))
         return self.text.model.norm(h), new, kept
@@ -729,14 +771,15 @@ def restore(snapshot: list) -> list:
 def join_rows(batch: list | None, cache: list) -> list:
     """A batch's caches (``engine/batch.py``) with the one-row ``cache`` of a request added as
     its last row: gated-delta windows and states stacked on the batch axis, attention caches
-    kept per row (``RowCaches``). ``batch`` None: the request alone as a batch."""
+    rows in one buffer at lengths of their own (``BatchKV``). ``batch`` None: the request alone
+    as a batch."""
     out: list = []
     for i, c in enumerate(cache):
         b = None if batch is None else batch[i]
         if c is None:
             out.append(None)
         elif isinstance(c, RowsKVCache):
-            out.append(RowCaches([*(b or []), c]))
+            out.append(BatchKV.join(b, c))
         else:
             joined = ArraysCache(size=2)
             joined[0], joined[1] = (a if b is None else mx.concatenate([b[j], a], axis=0)
@@ -752,8 +795,8 @@ def keep_rows(batch: list, rows: list[int]) -> list:
     for b in batch:
         if b is None:
             out.append(None)
-        elif isinstance(b, RowCaches):
-            out.append(RowCaches([b[r] for r in rows]))
+        elif isinstance(b, BatchKV):
+            out.append(b.keep(rows))
         else:
             kept = ArraysCache(size=2)
             kept[0], kept[1] = (mx.take(b[j], idx, axis=0) for j in (0, 1))
