@@ -91,7 +91,8 @@ def run_server(name: str, argv: list[str], port: int, model: str, prompts: list[
     proc = _start(argv, port, out / f"{name}.log")
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=900)
     try:
-        _ask(client, model, "warm up", 8)
+        # a prompt of the runs' kind (a first one of a shape compiles kernels on a GPU)
+        _ask(client, model, "# warm-up\n" + prompts[-1], 16)
         runs: dict[int, list[dict]] = {c: [] for c in CONCURRENCY}
         for rep in range(args.repeats):  # the levels interleaved, so that drift reaches each
             for c in CONCURRENCY:
