@@ -46,11 +46,13 @@ def _dense_rows(x, w, scales, biases, *, group_size, bits, residual=None, norm_w
     return y if residual is None else residual + y
 
 
-def _route_rows(logits, experts, k, normalize):
+def _route_rows(logits, experts, k, normalize, shared_slot=False):
     """The same for the routing: the reference a token at a time."""
     rows = logits.reshape(-1, logits.shape[-1])
-    out = [mr.route_ops(rows[i : i + 1], experts, k, normalize) for i in range(rows.shape[0])]
-    return [mx.concatenate(part).reshape(*logits.shape[:-1], k) for part in zip(*out, strict=True)]
+    out = [mr.route_ops(rows[i : i + 1], experts, k, normalize, shared_slot)
+           for i in range(rows.shape[0])]  # fmt: skip
+    return [mx.concatenate(part).reshape(*logits.shape[:-1], -1)
+            for part in zip(*out, strict=True)]  # fmt: skip
 
 
 def _combine_rows(y, scores, shared, logits, h):
@@ -93,6 +95,41 @@ def test_fused_experts_equal_mlx_lms_and_keep_its_weights_as_views():
     assert mx.array_equal(ha, hb).item()
     want = list(generate_classic(plain, PROMPT, max_tokens=12))
     assert list(generate_classic(fused, PROMPT, max_tokens=12)) == want
+
+
+def test_the_shared_expert_is_made_in_the_experts_launches(monkeypatch):
+    """The shared expert (of the experts' widths) stacked as expert E: a decode step's
+    gathered products take k + 1 slots a token from weights of E + 1 experts, and the tokens
+    are the unfused model's. Mutation: the shared slot pointing at expert 0 changes the block's
+    output."""
+    plain, _ = synthetic.build("tiny-moe", bits=4)
+    want = list(generate_classic(plain, PROMPT, max_tokens=12))
+    seen = []
+
+    def gathered(x, w, scales, biases, indices, **kw):
+        seen.append((indices.shape[-1], w.shape[0] // (2 if kw.get("swiglu") else 1)))
+        return _gathered_rows(x, w, scales, biases, indices, **kw)
+
+    _pretend_gpu(monkeypatch, gathered)
+    target, _ = synthetic.build("tiny-moe", bits=4, options=OURS)
+    mlp = target.layers[_routed(target)[0]].mlp
+    assert list(generate_classic(target, PROMPT, max_tokens=12)) == want
+    assert (mlp.top_k + 1, mlp.num_experts + 1) in seen
+    i = _routed(target)[0]
+    # the block's output on a small residual (the random experts' outputs are ~1e-4)
+    h = mx.random.normal((1, 1, target.config.text.hidden_size), key=mx.random.key(3)) * 1e-3
+    h = h.astype(mx.bfloat16)
+    norm = target.layers[i].post_attention_layernorm
+    good = target.fused_mlp[i](h, norm)
+
+    def shared_as_expert_0(logits, experts, k, normalize, shared_slot=False):
+        inds, scores = _route_rows(logits, experts, k, normalize, shared_slot)
+        return (inds * (mx.arange(inds.shape[-1]) < k) if shared_slot else inds), scores
+
+    monkeypatch.setattr(mr, "route_native", shared_as_expert_0)  # (its check passed above)
+    target, _ = synthetic.build("tiny-moe", bits=4, options=OURS)
+    bad = target.fused_mlp[i](h, norm)
+    assert not mx.array_equal(bad, good).item()
 
 
 def test_routed_layers_batch_a_verify_through_a_row_invariant_gathered_product(monkeypatch):

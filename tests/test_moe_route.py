@@ -20,16 +20,16 @@ def _bits16(a: mx.array) -> np.ndarray:
 
 
 def _route(logits: mx.array, experts: int, k: int, normalize: bool, metal: bool = False,
-           source: str | None = None):  # fmt: skip
+           source: str | None = None, shared_slot: bool = False):  # fmt: skip
     """The emulated routing of bf16 logits [R, W] -> (indices, scores) as float arrays."""
     rows = logits.shape[0]
     warps = 4
     out = cuda_emulation.run(
         source or mr.route_source(metal),
         {"logits": _bits16(logits)},
-        {"inds": (rows, k), "scores": (rows, k)},
+        {"inds": (rows, k + shared_slot), "scores": (rows, k)},
         {"InT": "__nv_bfloat16", "E": experts, "EPL": -(-experts // 32), "KS": k,
-         "NORM": int(normalize), "WARPS": warps},
+         "SLOTS": k + shared_slot, "NORM": int(normalize), "WARPS": warps},
         grid=(32 * warps * -(-rows // warps), 1, 1),
         threadgroup=(32 * warps, 1, 1),
         types={"logits": "InT"},
@@ -44,7 +44,7 @@ def _combine(y, scores, shared, logits, h, metal: bool = False, source: str | No
         {"y": _bits16(y), "scores": _bits16(scores), "shared": _bits16(shared),
          "logits": _bits16(logits), "h": _bits16(h)},
         {"out": h.shape},
-        {"InT": "__nv_bfloat16", "KS": y.shape[-2]},
+        {"InT": "__nv_bfloat16", "KS": scores.shape[-1], "SLOTS": y.shape[-2]},
         grid=(256 * -(-n // 256), 1, 1),
         threadgroup=(256, 1, 1),
         types=dict.fromkeys(("y", "scores", "shared", "logits", "h"), "InT"),
@@ -91,6 +91,37 @@ def test_combination_matches_the_reference_and_each_row_alone(metal):
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=2e-2)
     one = _combine(y[3:4], scores[3:4], shared[3:4], logits[3:4], h[3:4], metal)
     assert np.array_equal(one[0], got[3])
+
+
+@pytest.mark.parametrize("metal", [False, True], ids=["cuda", "metal"])
+def test_the_shared_expert_as_a_last_slot_changes_nothing_else(metal):
+    """The shared expert stacked as expert E: the routing gives every row a last index E and
+    the same k; the combination reading its output from y's last slot gives the bits it gives
+    with the output passed apart (and the reference's values). Mutation: the slot read one
+    place early (a routed expert's output taken for the shared one) changes the output."""
+    experts, k, hid, rows = 64, 4, 96, 5
+    logits = _logits(rows, experts, seed=21)
+    inds, scores = _route(logits, experts, k, True, metal)
+    inds_s, scores_s = _route(logits, experts, k, True, metal, shared_slot=True)
+    assert np.array_equal(inds_s[:, :k], inds) and np.all(inds_s[:, k] == experts)
+    assert np.array_equal(scores_s, scores)
+    keys = mx.random.split(mx.random.key(5), 3)
+    y = mx.random.normal((rows, k, hid), key=keys[0]).astype(mx.bfloat16)
+    shared = mx.random.normal((rows, hid), key=keys[1]).astype(mx.bfloat16)
+    h = mx.random.normal((rows, hid), key=keys[2]).astype(mx.bfloat16)
+    sc = mx.array(scores).astype(mx.bfloat16)
+    stacked = mx.concatenate([y, shared[:, None]], axis=1)  # [rows, k + 1, hid]
+    apart = _combine(y, sc, shared, logits, h, metal)
+    got = _combine(stacked, sc, h, logits, h, metal)
+    assert np.array_equal(got, apart)
+    want = np.array(mr.combine_ops(stacked, sc, h, logits, h).astype(mx.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=2e-2)
+    text = mr.combine_source(metal)
+    early = "y[(r * SLOTS + KS) * H + n]"
+    assert text.count(early) == 1
+    bad = _combine(stacked, sc, h, logits, h, metal,
+                   source=text.replace(early, "y[(r * SLOTS + KS - 1) * H + n]"))  # fmt: skip
+    assert np.abs(bad - got).max() > 0.05
 
 
 @pytest.mark.parametrize("mistake,normalize", [

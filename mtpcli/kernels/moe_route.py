@@ -9,7 +9,9 @@ Here each row (one token) is computed by the same threads in the same order what
 number of rows, so a verify block's rows equal the decode rows bitwise.
 
 The router and the shared expert's gate are one product (``FusedProjection``): both kernels
-read their columns of its output in place, [..., E + 1], the gate logit last.
+read their columns of its output in place, [..., E + 1], the gate logit last. Where the shared
+expert is stacked with the routed ones as expert E (``FusedExperts``), the routing gives it to
+every token as a last slot, and the combination reads its output there.
 """
 
 from __future__ import annotations
@@ -19,18 +21,23 @@ import mlx.core as mx
 from . import backend, built, fill, kernel_name, spell, use_native
 
 
-def route_ops(logits: mx.array, experts: int, k: int, normalize: bool) -> tuple[mx.array, ...]:
+def route_ops(logits: mx.array, experts: int, k: int, normalize: bool,
+              shared_slot: bool = False) -> tuple[mx.array, ...]:  # fmt: skip
     """Ops reference (mlx-lm's ``Qwen3NextSparseMoeBlock``): logits [..., W] whose first
     ``experts`` columns are the router's -> (indices [..., k] uint32, scores [..., k] in the
     logits' dtype): the softmax (in float32) of the router's columns, its k largest gates and
     their values, normalised to sum 1 if ``normalize``. The order of the k is the reference's
-    own (argpartition's); the kernel's is by gate, largest first."""
+    own (argpartition's); the kernel's is by gate, largest first. ``shared_slot``: indices
+    [..., k + 1], the last ``experts`` (the shared expert stacked after the routed ones)."""
     gates = mx.softmax(logits[..., :experts], axis=-1, precise=True)
     inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
     scores = mx.take_along_axis(gates, inds, axis=-1)
     if normalize:
         scores = scores / scores.sum(axis=-1, keepdims=True)
-    return inds, scores
+    if shared_slot:
+        last = mx.full((*inds.shape[:-1], 1), experts, inds.dtype)
+        inds = mx.concatenate([inds, last], axis=-1)
+    return inds.astype(mx.uint32), scores
 
 
 def combine_ops(y: mx.array, scores: mx.array, shared: mx.array, logits: mx.array,
@@ -38,7 +45,11 @@ def combine_ops(y: mx.array, scores: mx.array, shared: mx.array, logits: mx.arra
     """Ops reference: the block's output added to the residual, h + (sum_s y_s * score_s +
     sigmoid(gate) * shared), with y [..., k, H] the selected experts' outputs, scores [..., k],
     shared [..., H] the shared expert's output, the gate logit the last column of logits
-    [..., W], h [..., H]; each op rounded to the activations' dtype as MLX's are."""
+    [..., W], h [..., H]; each op rounded to the activations' dtype as MLX's are. y [..., k + 1,
+    H]: the shared expert's output is its last slot (``shared`` is not read)."""
+    k = scores.shape[-1]
+    if y.shape[-2] > k:
+        y, shared = y[..., :k, :], y[..., k, :]
     routed = (y * scores[..., None]).sum(axis=-2)
     return h + (routed + mx.sigmoid(logits[..., -1:]) * shared)
 
@@ -93,8 +104,9 @@ _ROUTE = """
           if (lane + 32 * i == at) v[i] = -2.0f;  // taken
         }
         picked[s] = best;
-        if (lane == 0) inds[(size_t)row * KS + s] = at;
+        if (lane == 0) inds[(size_t)row * SLOTS + s] = at;
       }
+      if (lane == 0 && SLOTS > KS) inds[(size_t)row * SLOTS + KS] = E;  // the shared expert
       if (lane == 0) {
         float total = 0.0f;
         for (int s = 0; s < KS; ++s) total = total + picked[s];
@@ -113,8 +125,9 @@ _ROUTE_THREADS = {
 }
 
 # One thread an output value: the experts' weighted outputs added in slot order in float, each
-# product and the sum rounded as MLX's multiply and sum are, then the gated shared expert and
-# the residual, each op rounded.
+# product and the sum rounded as MLX's multiply and sum are, then the gated shared expert (from
+# y's last slot where y has SLOTS = KS + 1 of them, else from ``shared``) and the residual, each
+# op rounded.
 _COMBINE = """
     {{THREAD_INDEX}}
     const int H = y_shape[y_ndim - 1];
@@ -126,14 +139,15 @@ _COMBINE = """
       const int n = i % H;
       float acc = 0.0f;
       for (int s = 0; s < KS; ++s) {
-        const float ys = static_cast<float>(y[(r * KS + s) * H + n]);
+        const float ys = static_cast<float>(y[(r * SLOTS + s) * H + n]);
         const float sc = static_cast<float>(scores[r * KS + s]);
         acc = acc + static_cast<float>(static_cast<InT>(ys * sc));
       }
       const float routed = static_cast<float>(static_cast<InT>(acc));
       const float g = static_cast<float>(logits[r * W + W - 1]);
       const float sg = static_cast<float>(static_cast<InT>(1.0f / (1.0f + expf(-g))));
-      const float sh = static_cast<float>(static_cast<InT>(sg * static_cast<float>(shared[i])));
+      const InT se = SLOTS > KS ? y[(r * SLOTS + KS) * H + n] : shared[i];
+      const float sh = static_cast<float>(static_cast<InT>(sg * static_cast<float>(se)));
       const float t = static_cast<float>(static_cast<InT>(routed + sh));
       out[i] = static_cast<InT>(static_cast<float>(h[i]) + t);
     }
@@ -170,7 +184,8 @@ def _pair():
     return built(_kernels, ("moe",), _specs)
 
 
-def route_native(logits: mx.array, experts: int, k: int, normalize: bool):
+def route_native(logits: mx.array, experts: int, k: int, normalize: bool,
+                 shared_slot: bool = False):  # fmt: skip
     """The native routing (``route_ops``'s contract, indices largest gate first); None where
     there is no kernel."""
     pair = _pair()
@@ -185,12 +200,13 @@ def route_native(logits: mx.array, experts: int, k: int, normalize: bool):
             ("E", experts),
             ("EPL", -(-experts // 32)),
             ("KS", k),
+            ("SLOTS", k + shared_slot),
             ("NORM", int(normalize)),
             ("WARPS", _WARPS),
         ],  # fmt: skip
         grid=(32 * _WARPS * -(-rows // _WARPS), 1, 1),
         threadgroup=(32 * _WARPS, 1, 1),
-        output_shapes=[(*lead, k), (*lead, k)],
+        output_shapes=[(*lead, k + shared_slot), (*lead, k)],
         output_dtypes=[mx.uint32, logits.dtype],
     )
 
@@ -203,7 +219,7 @@ def combine_native(y, scores, shared, logits, h):
     n = h.size
     return pair[1](
         inputs=[y, scores, shared, logits, h],
-        template=[("InT", h.dtype), ("KS", y.shape[-2])],
+        template=[("InT", h.dtype), ("KS", scores.shape[-1]), ("SLOTS", y.shape[-2])],
         grid=(_THREADS * -(-n // _THREADS), 1, 1),
         threadgroup=(_THREADS, 1, 1),
         output_shapes=[h.shape],
@@ -228,7 +244,12 @@ def _self_check(dtype, experts: int, k: int, normalize: bool) -> str | None:
         out1 = combine_native(y[:, 2:3], scores[:, 2:3], shared[:, 2:3], logits[:, 2:3],
                               h[:, 2:3])  # fmt: skip
         want = combine_ops(y, scores, shared, logits, h)
-        mx.eval(inds, scores, inds1, scores1, want_scores, out, out1, want)
+        # the shared expert stacked as expert E: its slot last in the indices and in y
+        inds_s, scores_s = route_native(logits, experts, k, normalize, shared_slot=True)
+        stacked = mx.concatenate([y, shared[..., None, :]], axis=-2)  # [1, 5, k + 1, hid]
+        out_s = combine_native(stacked, scores, h, logits, h)  # ``shared`` unread: h there
+        mx.eval(inds, scores, inds1, scores1, want_scores, out, out1, want, inds_s, scores_s)
+        mx.eval(out_s)
     except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
         return f"{type(e).__name__}: {e}"
     if inds.shape != (1, 5, k) or out.shape != h.shape:
@@ -245,6 +266,10 @@ def _self_check(dtype, experts: int, k: int, normalize: bool) -> str | None:
     a, b = out.astype(mx.float32), want.astype(mx.float32)
     if not mx.allclose(a, b, rtol=2e-2, atol=2e-2).item():
         return f"its combination differs from the reference by up to {mx.abs(a - b).max():.3g}"
+    same = [mx.array_equal(inds_s[..., :k], inds), (inds_s[..., k] == experts).all(),
+            mx.array_equal(scores_s, scores), mx.array_equal(out_s, out)]  # fmt: skip
+    if not all(a.item() for a in same):
+        return "with the shared expert's slot it differs from without"
     if not (mx.array_equal(inds1, inds[:, 2:3]).item()
             and mx.array_equal(scores1, scores[:, 2:3]).item()
             and mx.array_equal(out1, out[:, 2:3]).item()):  # fmt: skip
@@ -269,21 +294,22 @@ def native_ready(dtype, experts: int, k: int, normalize: bool, mode: str) -> boo
     )
 
 
-def route(logits: mx.array, experts: int, k: int, normalize: bool,
-          mode: str = "auto") -> tuple[mx.array, mx.array]:  # fmt: skip
+def route(logits: mx.array, experts: int, k: int, normalize: bool, mode: str = "auto",
+          shared_slot: bool = False) -> tuple[mx.array, mx.array]:  # fmt: skip
     """``route_ops`` (same contract) on the best trusted path under kernel ``mode``: one
     launch where the kernels run here."""
     if native_ready(logits.dtype, experts, k, normalize, mode):
-        out = route_native(logits, experts, k, normalize)
+        out = route_native(logits, experts, k, normalize, shared_slot)
         if out is not None:
             return out[0], out[1]
-    return route_ops(logits, experts, k, normalize)
+    return route_ops(logits, experts, k, normalize, shared_slot)
 
 
 def combine(y: mx.array, scores: mx.array, shared: mx.array, logits: mx.array, h: mx.array,
             trusted: bool) -> mx.array:  # fmt: skip
     """``combine_ops`` (same contract): one launch where ``trusted`` (``native_ready`` said so
-    for this block's routing, which checked both kernels) and the kernel runs here."""
+    for this block's routing, which checked both kernels) and the kernel runs here. ``shared``
+    may be any array of h's shape and dtype where y holds the shared expert's slot."""
     if trusted and y.dtype == scores.dtype == shared.dtype == logits.dtype == h.dtype:
         out = combine_native(y, scores, shared, logits, h)
         if out is not None:

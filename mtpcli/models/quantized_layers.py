@@ -122,21 +122,39 @@ class FusedExperts:
 
     The gate and up weights [E, I, ...] are stacked once into one array [2E, I, ...] (the gates,
     then the ups) that the kernel reads; the module keeps contiguous views of its halves, so no
-    weight is stored twice and mlx-lm's products read them as before.
+    weight is stored twice and mlx-lm's products read them as before. Given a ``shared`` expert
+    of the experts' widths (mlx-lm's ``Qwen3NextMLP``), it is stacked as expert E ([2(E + 1),
+    I, ...] and a down [E + 1, H, ...], its module keeping views too): a token that lists E
+    last among its experts has the shared expert made in the same two launches.
     """
 
-    def __init__(self, switch: nn.Module, mode: str = "auto"):
+    def __init__(self, switch: nn.Module, mode: str = "auto", shared: nn.Module | None = None):
         gate, up, self.down = switch.gate_proj, switch.up_proj, switch.down_proj
-        self.switch, self.kernel_mode = switch, mode
+        self.switch, self.kernel_mode, self.shared = switch, mode, shared is not None
         self.group_size, self.bits = gate.group_size, gate.bits
         e = gate.weight.shape[0]
-        self.stacked = {}
+        self.stacked, self.stacked_down = {}, {}
         for name in ("weight", "scales", "biases"):
-            both = mx.concatenate([gate[name], up[name]])  # [2E, I, ...]
+            if shared is None:
+                both = mx.concatenate([gate[name], up[name]])  # [2E, I, ...]
+            else:
+                sg, su = shared.gate_proj[name][None], shared.up_proj[name][None]
+                both = mx.concatenate([gate[name], sg, up[name], su])  # [2(E + 1), I, ...]
             mx.eval(both)
             self.stacked[name] = both
-            gate[name], up[name] = both[:e], both[e:]
-        mx.eval(gate.parameters(), up.parameters())
+            s = int(shared is not None)
+            gate[name], up[name] = both[:e], both[e + s : 2 * e + s]
+            if shared is not None:
+                shared.gate_proj[name], shared.up_proj[name] = both[e], both[2 * e + 1]
+                down = mx.concatenate([self.down[name], shared.down_proj[name][None]])
+                mx.eval(down)  # [E + 1, H, ...]
+                self.stacked_down[name] = down
+                self.down[name], shared.down_proj[name] = down[:e], down[e]
+            else:
+                self.stacked_down[name] = self.down[name]
+        mx.eval(gate.parameters(), up.parameters(), self.down.parameters())
+        if shared is not None:
+            mx.eval(shared.parameters())
 
     @staticmethod
     def fusable(switch: nn.Module) -> bool:
@@ -150,16 +168,37 @@ class FusedExperts:
             == (up.weight.shape, up.group_size, up.bits)
         )  # fmt: skip
 
+    @staticmethod
+    def stackable(switch: nn.Module, shared: nn.Module) -> bool:
+        """Whether ``shared``'s three projections can be stacked with ``switch``'s experts (one
+        more expert of the same widths and quantization)."""
+        pairs = ((switch.gate_proj, shared.gate_proj), (switch.up_proj, shared.up_proj),
+                 (switch.down_proj, shared.down_proj))  # fmt: skip
+        return all(
+            isinstance(one, nn.QuantizedLinear) and one.mode == "affine"
+            and one.get("biases") is not None and "bias" not in one
+            and (one.group_size, one.bits) == (many.group_size, many.bits)
+            and all(one[n].shape == many[n].shape[1:] and one[n].dtype == many[n].dtype
+                    for n in ("weight", "scales", "biases"))
+            for many, one in pairs
+        )  # fmt: skip
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        """x [..., H] and each token's experts indices [..., k] -> [..., k, H]."""
+        """x [..., H] and each token's experts' indices [..., k] (E, last, for the shared
+        expert where it is stacked) -> [..., k, H]."""
         if indices.size // indices.shape[-1] > MAX_ROWS:
             return self.switch(x, indices)
         opts = {"group_size": self.group_size, "bits": self.bits, "mode": self.kernel_mode}
         w = self.stacked
         h = gathered_matmul(mx.expand_dims(x, -2), w["weight"], w["scales"], w["biases"],
                             indices, swiglu=True, **opts)  # [..., k, I]  # fmt: skip
-        d = self.down
+        d = self.stacked_down
         return gathered_matmul(h, d["weight"], d["scales"], d["biases"], indices, **opts)
+
+    def takes(self, x: mx.array) -> bool:
+        """Whether a pass over x [..., H] goes through the gathered products (at most 8
+        tokens), where the shared expert's slot is made with the others."""
+        return x.size // x.shape[-1] <= MAX_ROWS
 
     def native(self, dtype: mx.Dtype) -> bool:
         """Whether both products run natively here for activations of ``dtype`` (checked

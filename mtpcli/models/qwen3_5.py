@@ -244,6 +244,10 @@ def _moe(block: nn.Module, experts: FusedExperts, shared: Callable, router: Call
         x = norm(h)  # [B, T, H]
         logits = router(x)  # [B, T, E + 1]
         fast = moe_route.native_ready(logits.dtype, n, k, normalize, mode)
+        if experts.shared and experts.takes(x):  # the shared expert as slot k, expert E
+            inds, scores = moe_route.route(logits, n, k, normalize, mode, shared_slot=True)
+            y = experts(x, inds)  # [B, T, k + 1, H]
+            return moe_route.combine(y, scores, h, logits, h, fast)
         inds, scores = moe_route.route(logits, n, k, normalize, mode)  # [B, T, k] each
         return moe_route.combine(experts(x, inds), scores, shared(x), logits, h, fast)
 
@@ -352,11 +356,12 @@ class Qwen35Target:
                     fused = FusedProjection(group, swiglu=True, mode=self.mode)
                     fused_mlp[i] = _mlp(fused, mlp.down_proj)
             if isinstance(mlp, qwen3_5.SparseMoeBlock) and FusedExperts.fusable(mlp.switch_mlp):
-                experts = FusedExperts(mlp.switch_mlp, mode=self.mode)
                 se, gates = mlp.shared_expert, [mlp.gate, mlp.shared_expert_gate]
+                stack = FusedExperts.stackable(mlp.switch_mlp, se)
+                experts = FusedExperts(mlp.switch_mlp, self.mode, se if stack else None)
                 ours = [se.gate_proj, se.up_proj, se.down_proj, *gates]
                 shared, router = se, _side_by_side(gates)
-                if FusedProjection.fusable([se.gate_proj, se.up_proj]):
+                if not stack and FusedProjection.fusable([se.gate_proj, se.up_proj]):
                     fused = FusedProjection([se.gate_proj, se.up_proj], swiglu=True,
                                             mode=self.mode)  # fmt: skip
                     shared = _shared(fused, se.down_proj)
