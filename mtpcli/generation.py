@@ -170,7 +170,7 @@ def generate(
         boundaries = boundaries or ends
     else:
         ids = list(prompt)
-    eos = set(tokenizer.eos_token_ids) | set(target.config.eos_token_ids)
+    eos = pair.eos
     stage = target.stage
     if stage is not None and seed is None and not sampling.greedy:
         seed = shared_seed(stage)  # every stage samples the same tokens

@@ -176,6 +176,11 @@ class Loaded:
     draft_quantize: int | None = None  # bits the drafter was quantized to at load
 
     @property
+    def eos(self) -> frozenset[int]:
+        """The token ids that end a generation: the tokenizer's and the target config's."""
+        return frozenset(self.tokenizer.eos_token_ids) | frozenset(self.target.config.eos_token_ids)
+
+    @property
     def pair_key(self) -> str:
         """Names this target and drafter wherever they are reached from (links, relative
         paths, repo ids): the gate keeps the pair's acceptance under it."""

@@ -171,18 +171,12 @@ class Decoder:
         text = TextOut(self.loaded.tokenizer, job.stop, lambda t: job.put("text", t))
         try:
             batch.add(job.ids, owner=(job, text), max_tokens=job.max_tokens,
-                      sampling=job.sampling, seed=job.seed, eos_ids=self.eos,
+                      sampling=job.sampling, seed=job.seed, eos_ids=self.loaded.eos,
                       prompt_cache=self.prompt_cache, boundaries=job.boundaries)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - one failed request must not stop the others
             job.put("error", _failed(e))
             return
         self.running.append(job)
-
-    @property
-    def eos(self) -> set[int]:
-        return set(self.loaded.tokenizer.eos_token_ids) | set(
-            self.loaded.target.config.eos_token_ids
-        )
 
     def _finished(self, job: Job, result: GenerateResult) -> None:
         self.served += 1
