@@ -197,13 +197,15 @@ def test_decode_attention_kernels_compile_without_spills(tmp_path, dtype):
 
 @pytest.mark.parametrize("dtype", [BF16, HALF, F32])
 def test_moe_routing_and_combination_kernels_compile_without_spills(tmp_path, dtype):
-    """The 35B-A3B's routing: 256 experts, 8 a token."""
-    constants = {"InT": dtype, "E": 256, "EPL": 8, "KS": 8, "NORM": 1, "WARPS": mr._WARPS}
+    """The 35B-A3B's routing: 256 experts, 8 a token, and the shared expert's slot (9)."""
+    constants = {"InT": dtype, "E": 256, "EPL": 8, "KS": 8, "SLOTS": 9, "NORM": 1,
+                 "WARPS": mr._WARPS}  # fmt: skip
     code = _wrap(mr.route_source(False), "", {"logits": dtype},
                  {"inds": U32, "scores": dtype}, constants)  # fmt: skip
     assert _no_spills(_compile(tmp_path, code))
     inputs = dict.fromkeys(["y", "scores", "shared", "logits", "h"], dtype)
-    code = _wrap(mr.combine_source(False), "", inputs, {"out": dtype}, {"InT": dtype, "KS": 8})
+    code = _wrap(mr.combine_source(False), "", inputs, {"out": dtype},
+                 {"InT": dtype, "KS": 8, "SLOTS": 9})  # fmt: skip
     assert _no_spills(_compile(tmp_path, code))
 
 

@@ -94,7 +94,7 @@ def _emulated(
 def test_emulated_rows_each_read_their_own_length():
     """A batch of requests: rows in one buffer at their own lengths (one split and three),
     each row bitwise the kernels on that row alone; one length for both rows differs."""
-    args = _inputs(B=2, N=40, Hq=2, Hkv=1)
+    args = _inputs(B=2, N=40, Hq=2, Hkv=1, D=64)
     lengths = [5, 37]
     got = _emulated(args, 128**-0.5, buffers=args[6:], lengths=lengths)
     for b, n in enumerate(lengths):
