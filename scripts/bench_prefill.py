@@ -54,8 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.tokens < 2 or args.repeats < 1:
         ap.error("--tokens must be at least 2 and --repeats at least 1")
-    t, d = ensure_example()
-    target = load_pair(str(args.model or t), None if args.model else str(d)).target
+    target = load_pair(str(args.model or ensure_example()[0])).target
     vocab = target.config.text.vocab_size
     prompt = [(i * 7919 + 13) % min(vocab, 4096) for i in range(args.tokens)]
     load = os.getloadavg()

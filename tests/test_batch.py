@@ -205,6 +205,8 @@ def test_on_the_gpu_path_a_batch_attends_in_one_call_each_row_at_its_own_length(
     for i, w in enumerate(want):
         assert got[i] == (w if requests[i][5] is None else w[: len(got[i])]), f"request {i}"
     assert max(calls) == len(requests) and (1, False) in target.batch_graph_lengths
+    calls.clear()  # the same requests again: every step runs a graph traced above
+    assert _batched(target, requests) == got and not calls
 
     def one_length(q, k, v, gate, q_norm, k_norm, eps, keys, values, lengths, *rest, **kw):
         lengths = mx.broadcast_to(lengths[:1], lengths.shape)

@@ -78,18 +78,22 @@ def _routed(target: Qwen35Target) -> list[int]:
 
 
 def test_fused_experts_equal_mlx_lms_and_keep_its_weights_as_views():
-    """On the CPU (mlx-lm's products): the fused MoE layers (experts' gate and up stacked, the
-    shared expert's gate and up fused) give the unfused model's hidden states bitwise and its
-    tokens; the switch module's gate and up are the halves of the stacked weight."""
+    """On the CPU (mlx-lm's products): the fused MoE layers (experts' gate and up stacked with
+    the shared expert's, their down with its down) give the unfused model's hidden states
+    bitwise and its tokens; mlx-lm's modules, whose weights are now parts of the stacks, hold
+    the weights they held."""
     plain, _ = synthetic.build("tiny-moe", bits=4)
     target, _ = synthetic.build("tiny-moe", bits=4)
     fused = Qwen35Target(target.model, target.config, target.options, fuse=True)
     routed = _routed(fused)
     assert routed and set(routed) <= set(fused.fused_mlp)
-    switch = fused.layers[routed[0]].mlp.switch_mlp
-    e = switch.gate_proj.weight.shape[0]
-    stacked = mx.concatenate([switch.gate_proj.weight, switch.up_proj.weight])
-    assert stacked.shape[0] == 2 * e
+    for i in routed:
+        got, want = fused.layers[i].mlp, plain.layers[i].mlp
+        for module in ("switch_mlp", "shared_expert"):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                a, b = getattr(getattr(got, module), proj), getattr(getattr(want, module), proj)
+                for name in ("weight", "scales", "biases"):
+                    assert mx.array_equal(a[name], b[name]).item(), (i, module, proj, name)
     ha = plain.prefill(mx.array([PROMPT]), plain.make_cache())
     hb = fused.prefill(mx.array([PROMPT]), fused.make_cache())
     assert mx.array_equal(ha, hb).item()
@@ -130,6 +134,28 @@ def test_the_shared_expert_is_made_in_the_experts_launches(monkeypatch):
     target, _ = synthetic.build("tiny-moe", bits=4, options=OURS)
     bad = target.fused_mlp[i](h, norm)
     assert not mx.array_equal(bad, good).item()
+
+
+def test_a_batch_of_requests_through_the_stacked_shared_expert_decodes_each_alone(monkeypatch):
+    """Requests decoded together (``engine/batch.py``) through the routed layers on the
+    gathered products with the shared expert's slot: each row's tokens are its request's
+    alone."""
+    from mtpcli.engine.batch import Batch
+
+    _pretend_gpu(monkeypatch)
+    target, _ = synthetic.build("tiny-moe", bits=4, options=OURS)
+    prompts = [PROMPT, [5, 9, 2, 200, 17], [3] * 12]
+    want = [list(generate_classic(target, p, max_tokens=10)) for p in prompts]
+    batch, got = Batch(target), [[] for _ in prompts]
+    for i, p in enumerate(prompts):
+        batch.add(p, owner=i, max_tokens=10)
+    while batch.rows:
+        out = batch.step()
+        for e in out:
+            if e.token is not None:
+                got[e.row.owner].append(e.token)
+        batch.drop([e.row for e in out if e.ended])
+    assert got == want
 
 
 def test_routed_layers_batch_a_verify_through_a_row_invariant_gathered_product(monkeypatch):

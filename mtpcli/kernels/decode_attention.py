@@ -319,6 +319,9 @@ def decode_attention_native(q, k, v, gate, q_norm, k_norm, eps, keys, values, ro
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     cached = mx.array([keys.shape[2]], mx.int32) if length is None else length
+    if cached.shape not in ((1,), (B,)) or cached.dtype != mx.int32:
+        raise ValueError(f"a cache length is int32 [1] or [{B}] (a row's each), not "
+                         f"{cached.dtype} {cached.shape}")  # fmt: skip
     shapes = launch_shapes(B, T, Hq, Hkv, D)
     f32, dt = mx.float32, q.dtype
     part_m, part_l, part_acc, k_out = partial(
@@ -401,11 +404,11 @@ def _self_check(dtype, wdtype, D: int, eps: float, rope: Rope, scale: float,
     return None
 
 
-def _check_inputs(dtype, wdtype, D: int) -> tuple:
-    """The self-checks' input: q, k, v, gate of B=2 rows and T=3 positions, the norms'
-    weights, and a [2, B, Hkv, 160, D] buffer of keys and values."""
+def _check_inputs(dtype, wdtype, D: int, T: int = 3) -> tuple:
+    """The self-checks' input: q, k, v, gate of B=2 rows and T positions, the norms' weights,
+    and a [2, B, Hkv, 160, D] buffer of keys and values."""
     kq, kk, kv, kg, kw, kc = mx.random.split(mx.random.key(1357), 6)
-    B, T, Hq, Hkv = 2, 3, 6, 2
+    B, Hq, Hkv = 2, 6, 2
     q = (mx.random.normal((B, T, Hq, D), key=kq) * 2).astype(dtype)
     k = (mx.random.normal((B, T, Hkv, D), key=kk) * 2).astype(dtype)
     v = mx.random.normal((B, T, Hkv, D), key=kv).astype(dtype)
@@ -420,7 +423,7 @@ def _rows_check(dtype, wdtype, D: int, eps: float, rope: Rope, scale: float,
                 T: int) -> str | None:  # fmt: skip
     """A batch of requests' rows in one buffer at lengths of their own (one split and
     several): each row bitwise the launch on that row alone."""
-    q, k, v, gate, qw, kw, buffer = _check_inputs(dtype, wdtype, D)
+    q, k, v, gate, qw, kw, buffer = _check_inputs(dtype, wdtype, D, T)
     lengths = (5, 131)
     try:
         head = (q[:, :T], k[:, :T], v[:, :T], gate[:, :T], qw, kw, eps)

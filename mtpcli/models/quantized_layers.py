@@ -133,7 +133,7 @@ class FusedExperts:
         self.switch, self.kernel_mode, self.shared = switch, mode, shared is not None
         self.group_size, self.bits = gate.group_size, gate.bits
         e = gate.weight.shape[0]
-        self.stacked, self.stacked_down = {}, {}
+        self.stacked, self.stacked_down = {}, {}  # stacked_down: with the shared expert
         for name in ("weight", "scales", "biases"):
             if shared is None:
                 both = mx.concatenate([gate[name], up[name]])  # [2E, I, ...]
@@ -150,8 +150,6 @@ class FusedExperts:
                 mx.eval(down)  # [E + 1, H, ...]
                 self.stacked_down[name] = down
                 self.down[name], shared.down_proj[name] = down[:e], down[e]
-            else:
-                self.stacked_down[name] = self.down[name]
         mx.eval(gate.parameters(), up.parameters(), self.down.parameters())
         if shared is not None:
             mx.eval(shared.parameters())
@@ -192,7 +190,7 @@ class FusedExperts:
         w = self.stacked
         h = gathered_matmul(mx.expand_dims(x, -2), w["weight"], w["scales"], w["biases"],
                             indices, swiglu=True, **opts)  # [..., k, I]  # fmt: skip
-        d = self.stacked_down
+        d = self.stacked_down if self.shared else self.down
         return gathered_matmul(h, d["weight"], d["scales"], d["biases"], indices, **opts)
 
     def takes(self, x: mx.array) -> bool:

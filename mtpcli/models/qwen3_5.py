@@ -159,6 +159,8 @@ def batch_attention(m, q, k, v, gate, cache: BatchKV, mode: str = "auto") -> mx.
         o, k = got
         cache.write(k, v.transpose(0, 2, 1, 3))  # [B, Hkv, L, D] each
         return o
+    if cache.lengths is None:
+        raise RuntimeError("a batch's compiled step needs its attention on the native kernels")
     rows = [cache.row(b) for b in range(q.shape[0])]
     o = mx.concatenate([attention_core(m, *(x[b : b + 1] for x in (q, k, v, gate)), None, r, mode)
                         for b, r in enumerate(rows)], axis=0)  # fmt: skip
@@ -849,6 +851,9 @@ def load_target(model_dir: Path, config: ModelConfig, options: Options = Options
                 layers[i] = None
         weights = {k: v for k, v in weights.items() if _layer(k) in (None, *stage.layers)}
     load_module_weights(model, weights, config.quantization, str(model_dir))
+    # The module holds the weights now: without these references the arrays that fused
+    # products stack at load are freed as each layer is stacked, not at the end.
+    del arrays, weights
     return Qwen35Target(model, config, options, stage=stage)
 
 
