@@ -41,13 +41,9 @@ def _batched(target, requests, eos=()) -> dict[int, list[int]]:
         if not batch.rows:
             step += 1
             continue
-        out = batch.step()
+        batch.advance(got)
         step += 1
-        for e in out:
-            if e.token is not None:
-                got[e.row.owner].append(e.token)
-        leaving = [r for r in batch.rows if requests[r.owner][5] == step]
-        batch.drop([e.row for e in out if e.ended] + leaving)
+        batch.drop([r for r in batch.rows if requests[r.owner][5] == step])  # clients leaving
     return got
 
 
@@ -169,12 +165,7 @@ def test_a_request_that_starts_as_an_earlier_one_resumes_from_its_snapshot(load)
     row = batch.add(second, owner=1, max_tokens=12, prompt_cache=cache, boundaries=[6])
     assert row.stats.prompt_cached == 6
     got = {0: [], 1: []}
-    while batch.rows:
-        out = batch.step()
-        for e in out:
-            if e.token is not None:
-                got[e.row.owner].append(e.token)
-        batch.drop([e.row for e in out if e.ended])
+    batch.drain(got)
     assert got[1] == _alone(target, second, 12, SamplingParams(), None)
 
 

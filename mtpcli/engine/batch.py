@@ -114,9 +114,26 @@ class Batch:
             r.y, r.seen = y, seen
         return out
 
+    def advance(self, tokens) -> list[Emitted]:
+        """One ``step``, each row's token appended to ``tokens[row.owner]`` and the rows that
+        ended dropped (for callers that only collect tokens: benches, tests)."""
+        out = self.step()
+        for e in out:
+            if e.token is not None:
+                tokens[e.row.owner].append(e.token)
+        self.drop([e.row for e in out if e.ended])
+        return out
+
+    def drain(self, tokens) -> None:
+        """``advance`` until every row has ended."""
+        while self.rows:
+            self.advance(tokens)
+
     def drop(self, rows: Iterable[Row]) -> None:
         """Take ``rows`` out of the batch (ended, or their client left)."""
         gone = {id(r) for r in rows}
+        if not gone:  # (a step where nothing ended: the caches stay as they are)
+            return
         for r in self.rows:
             if id(r) in gone:
                 r.stats.finish(r.started, time.perf_counter(), mx.get_peak_memory())
