@@ -73,14 +73,19 @@ class RowsKVCache(KVCache):
     def reserve(self, n: int) -> None:
         """Grow the buffers (in mlx-lm's steps) so that ``n`` more rows fit without growing
         inside a graph. The cache must hold a row already (its shapes come from it)."""
-        have = self.keys.shape[2]
-        if self.offset + n <= have:
-            return
-        more = -(-(self.offset + n - have) // self.step) * self.step
-        self.keys, self.values = (
-            mx.concatenate([a, mx.zeros((*a.shape[:2], more, a.shape[3]), a.dtype)], axis=2)
-            for a in (self.keys, self.values)
-        )
+        capacity = room(self.keys.shape[2], self.offset + n, self.step)
+        self.keys, self.values = padded(self.keys, capacity), padded(self.values, capacity)
+
+
+def room(have: int, rows: int, step: int = KVCache.step) -> int:
+    """A buffer's capacity once it holds ``rows``: ``have`` grown in ``step``s (mlx-lm's)."""
+    return have + -(-max(rows - have, 0) // step) * step
+
+
+def padded(a: mx.array, capacity: int) -> mx.array:
+    """Buffer ``a`` [B, Hkv, n, D] with zero rows up to ``capacity``."""
+    more = capacity - a.shape[2]
+    return a if more <= 0 else mx.pad(a, [(0, 0), (0, 0), (0, more), (0, 0)])
 
 
 def held(cache: RowsKVCache, rows: int | None = None) -> RowsKVCache:
@@ -124,7 +129,6 @@ class BatchKV:
     take a length per row), so its arithmetic is the one it has decoding by itself."""
 
     filled = True
-    step = 256  # rows the buffers grow by (mlx-lm's KVCache step)
 
     def __init__(self, keys: mx.array, values: mx.array, lengths: list[int] | None,
                  device: mx.array | None = None):  # fmt: skip
@@ -144,14 +148,9 @@ class BatchKV:
         if batch is not None:
             parts.insert(0, (batch.keys, batch.values))
             lengths = [*batch.lengths, n]
-        capacity = -(-max(n, max(a.shape[2] for a, _ in parts)) // cls.step) * cls.step
-
-        def pad(a: mx.array) -> mx.array:
-            more = capacity - a.shape[2]
-            return a if more == 0 else mx.pad(a, [(0, 0), (0, 0), (0, more), (0, 0)])
-
-        keys = mx.concatenate([pad(k) for k, _ in parts], axis=0)  # [B, Hkv, capacity, D]
-        values = mx.concatenate([pad(v) for _, v in parts], axis=0)
+        capacity = room(0, max(a.shape[2] for a, _ in parts))
+        keys = mx.concatenate([padded(k, capacity) for k, _ in parts], axis=0)  # [B, Hkv, C, D]
+        values = mx.concatenate([padded(v, capacity) for _, v in parts], axis=0)
         return cls(keys, values, lengths)
 
     def keep(self, rows: list[int]) -> BatchKV:
@@ -169,12 +168,8 @@ class BatchKV:
     def reserve(self, n: int) -> None:
         """Grow the buffers so that every row takes ``n`` more rows (before a forward: a
         buffer grown inside a graph would make a new graph each step)."""
-        have = self.keys.shape[2]
-        if max(self.lengths) + n <= have:
-            return
-        more = -(-(max(self.lengths) + n - have) // self.step) * self.step
-        self.keys, self.values = (mx.pad(a, [(0, 0), (0, 0), (0, more), (0, 0)])
-                                  for a in (self.keys, self.values))  # fmt: skip
+        capacity = room(self.keys.shape[2], max(self.lengths) + n)
+        self.keys, self.values = padded(self.keys, capacity), padded(self.values, capacity)
 
     def write(self, keys: mx.array, values: mx.array) -> None:
         """Append T rows to each row at its own length: keys and values [B, Hkv, T, D] (the
@@ -193,7 +188,7 @@ class BatchKV:
             self.lengths, self._device = [n + T for n in self.lengths], None
 
     def row(self, b: int) -> RowsKVCache:
-        """Row b as a cache of its own (its rows copied out on write; ``put_row`` puts them
+        """Row b as a cache of its own (its rows copied out on write; ``put_rows`` puts them
         back): for the attention paths that go row by row."""
         out = RowsKVCache()
         out.keys, out.values = self.keys[b : b + 1], self.values[b : b + 1]
