@@ -147,12 +147,15 @@ def test_quantized_matmul_variants_fit_four_blocks_per_multiprocessor(tmp_path, 
     assert used * 32 * qm.WARPS * 4 <= 65536, used
 
 
-@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
+@pytest.mark.parametrize("norm,swiglu", [(None, False), (None, True), (1e-6, True)],
+                         ids=["plain", "swiglu", "norm_swiglu"])  # fmt: skip
 @pytest.mark.parametrize("bits", qm.BITS)
-def test_gathered_products_compile_without_spills(tmp_path, swiglu, bits):
-    """A MoE layer's expert products (bf16 activations): no spills, 3 blocks a multiprocessor
-    (unbounded: see qmm_kernel.NORM_MIN_BLOCKS)."""
-    report = _compile(tmp_path, _product(qm.Variant(swiglu=swiglu, gathered=True), BF16, bits))
+def test_gathered_products_compile_without_spills(tmp_path, norm, swiglu, bits):
+    """A MoE layer's expert products (bf16 activations; the gate and up with the block's norm
+    folded in too): no spills, 3 blocks a multiprocessor (unbounded: see
+    qmm_kernel.NORM_MIN_BLOCKS)."""
+    variant = qm.Variant(norm, swiglu=swiglu, gathered=True)
+    report = _compile(tmp_path, _product(variant, BF16, bits))
     assert _no_spills(report), report
     used = int(re.search(r"Used (\d+) registers", report).group(1))
     assert used * 32 * qm.WARPS * 3 <= 65536, used

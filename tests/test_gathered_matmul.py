@@ -21,14 +21,15 @@ PROMPT = [(7 * i) % 200 for i in range(40)]
 OURS = Options(qmm="ours")  # our products, as on CUDA
 
 
-def _gathered_rows(x, w, scales, biases, indices, *, group_size, bits, swiglu=False):
+def _gathered_rows(x, w, scales, biases, indices, *, group_size, bits, swiglu=False,
+                   norm_weight=None, eps=1e-6):  # fmt: skip
     """A correct, row-invariant stand-in for the native gathered kernel: the reference one
     (token, slot) row at a time, x [..., XS, K] and indices [..., KS] as the kernel takes them."""
     ks, xs = indices.shape[-1], x.shape[-2]
     idx, xr = indices.reshape(-1, ks), x.reshape(-1, xs, x.shape[-1])
     rows = [gm.gathered_matmul_ops(xr[t, s if xs > 1 else 0][None, None], w, scales, biases,
                                    idx[t, s][None, None], group_size=group_size, bits=bits,
-                                   swiglu=swiglu)[0, 0]
+                                   swiglu=swiglu, norm_weight=norm_weight, eps=eps)[0, 0]
             for t in range(idx.shape[0]) for s in range(ks)]  # fmt: skip
     return mx.stack(rows).reshape(*indices.shape, rows[0].shape[-1])
 
@@ -103,15 +104,18 @@ def test_fused_experts_equal_mlx_lms_and_keep_its_weights_as_views():
 
 def test_the_shared_expert_is_made_in_the_experts_launches(monkeypatch):
     """The shared expert (of the experts' widths) stacked as expert E: a decode step's
-    gathered products take k + 1 slots a token from weights of E + 1 experts, and the tokens
-    are the unfused model's. Mutation: the shared slot pointing at expert 0 changes the block's
-    output."""
+    gathered products take k + 1 slots a token from weights of E + 1 experts, the block's norm
+    rides in the router's and the gate and up products (no norm of its own), and the tokens
+    are the unfused model's. Mutations: the shared slot pointing at expert 0, or the gate and
+    up product leaving out the norm, change the block's output."""
     plain, _ = synthetic.build("tiny-moe", bits=4)
     want = list(generate_classic(plain, PROMPT, max_tokens=12))
-    seen = []
+    seen, normed = [], []
 
     def gathered(x, w, scales, biases, indices, **kw):
         seen.append((indices.shape[-1], w.shape[0] // (2 if kw.get("swiglu") else 1)))
+        if kw.get("swiglu"):
+            normed.append(kw.get("norm_weight") is not None)
         return _gathered_rows(x, w, scales, biases, indices, **kw)
 
     _pretend_gpu(monkeypatch, gathered)
@@ -119,6 +123,7 @@ def test_the_shared_expert_is_made_in_the_experts_launches(monkeypatch):
     mlp = target.layers[_routed(target)[0]].mlp
     assert list(generate_classic(target, PROMPT, max_tokens=12)) == want
     assert (mlp.top_k + 1, mlp.num_experts + 1) in seen
+    assert normed and all(normed)
     i = _routed(target)[0]
     # the block's output on a small residual (the random experts' outputs are ~1e-4)
     h = mx.random.normal((1, 1, target.config.text.hidden_size), key=mx.random.key(3)) * 1e-3
@@ -134,6 +139,14 @@ def test_the_shared_expert_is_made_in_the_experts_launches(monkeypatch):
     target, _ = synthetic.build("tiny-moe", bits=4, options=OURS)
     bad = target.fused_mlp[i](h, norm)
     assert not mx.array_equal(bad, good).item()
+
+    def norm_left_out(x, w, scales, biases, indices, **kw):
+        return _gathered_rows(x, w, scales, biases, indices, **(kw | {"norm_weight": None}))
+
+    monkeypatch.setattr(mr, "route_native", _route_rows)
+    monkeypatch.setattr(gm, "launch_gathered", norm_left_out)  # (its check passed above)
+    target, _ = synthetic.build("tiny-moe", bits=4, options=OURS)
+    assert not mx.array_equal(target.fused_mlp[i](h, norm), good).item()
 
 
 def test_a_batch_of_requests_through_the_stacked_shared_expert_decodes_each_alone(monkeypatch):
@@ -214,12 +227,14 @@ def test_experts_of_widths_the_kernel_does_not_cover_stay_position_by_position(c
 
 @pytest.mark.skipif(not kernels.available("cuda"), reason="needs MLX's CUDA backend")
 def test_cuda_gathered_kernel_passes_its_self_check_and_runs_the_35b_expert_shapes():
-    """On CUDA: both variants pass their self-check at 4 and 8 bits, and the 35B-A3B's expert
-    products (2048 -> 2 x 512 with swiglu, 512 -> 2048) of a block-4 verify agree with the
-    reference, each token's rows bitwise its rows alone."""
-    for glu in (False, True):
+    """On CUDA: the variants (plain, swiglu, swiglu with the norm folded in) pass their
+    self-check at 4 and 8 bits, and the 35B-A3B's expert products (2048 -> 2 x 512 with
+    swiglu, 512 -> 2048) of a block-4 verify agree with the reference, each token's rows
+    bitwise its rows alone."""
+    for glu, norm in ((False, None), (True, None), (True, 1e-6)):
         for bits in (4, 8):
-            assert gm._self_check(mx.bfloat16, mx.bfloat16, 64, bits, glu) is None, (glu, bits)
+            verdict = gm._self_check(mx.bfloat16, mx.bfloat16, 64, bits, glu, norm)
+            assert verdict is None, (glu, norm, bits, verdict)
     e, h, inter = 256, 2048, 512
     parts = [qm.random_quantized(inter, h, 64, 4, mx.bfloat16, seed=i) for i in range(2 * 16)]
     w, s, b = (mx.concatenate([mx.stack(a)] * (2 * e // 32)) for a in zip(*parts, strict=True))

@@ -756,22 +756,25 @@ def _experts(e: int, n: int, k: int, group_size: int, bits: int, seed: int):
     return [mx.stack(a) for a in zip(*parts, strict=True)]
 
 
-def _cuda_gathered(x, w, scales, biases, idx, group_size, bits, swiglu=False, source=None):
-    """The CUDA gathered product's y [..., KS, N] (x [..., XS, K], idx [..., KS])."""
-    variant = qm.Variant(swiglu=swiglu, gathered=True)
+def _cuda_gathered(x, w, scales, biases, idx, group_size, bits, swiglu=False, source=None,
+                   norm_w=None):  # fmt: skip
+    """The CUDA gathered product's y [..., KS, N] (x [..., XS, K], idx [..., KS]; x normed
+    first by ``norm_w`` [K] where given)."""
+    variant = qm.Variant(None if norm_w is None else 1e-6, swiglu=swiglu, gathered=True)
     n_out, groups = qm.launch_shape(w.shape[1] * (2 if swiglu else 1), swiglu)
     idx = np.asarray(idx, np.uint32)
+    extra = {} if norm_w is None else {"norm_w": _bits16(norm_w)}
     out = cuda_emulation.run(
         source or qm.source(False, variant),
         {"x": _bits16(x), "ew": np.array(w), "escales": _bits16(scales),
-         "ebiases": _bits16(biases), "idx": idx},
+         "ebiases": _bits16(biases), "idx": idx} | extra,
         {"y": (*idx.shape, n_out)},
         {"XT": "__nv_bfloat16", "ST": "__nv_bfloat16", "BITS": bits, "GS": group_size,
          "WARPS": qm.WARPS},
         grid=(32 * qm.WARPS * groups, idx.size, 1),
         threadgroup=(32 * qm.WARPS, 1, 1),
         header=cuda_emulation.emulated_mma(qm._HEADER_CUDA + qm._HEADER_GATHERED),
-        types={"x": "XT", "escales": "ST", "ebiases": "ST"},
+        types={"x": "XT", "escales": "ST", "ebiases": "ST", "norm_w": "XT"},
     )  # fmt: skip
     return out["y"]
 
@@ -839,6 +842,39 @@ def test_emulated_cuda_gathered_swiglu_and_more_than_eight_rows_of_an_expert():
     assert np.array_equal(got10[8:, 0], plain)
 
 
+@pytest.mark.parametrize("bits", qm.BITS)
+def test_emulated_cuda_gathered_product_normalises_its_input(bits):
+    """The norm folded into the experts' gate and up product (the norm before a MoE block):
+    every (token, slot) row bitwise the plain product's norm and swiglu variant of its
+    expert's gate and up, alone or beside the tokens sharing the expert, and near the norm
+    then the product in float64. Mutation: the squares of a row summed over one warp only."""
+    n, k, gs = 32, 512, 64
+    w, scales, biases = _experts(10, n, k, gs, bits, seed=40 + bits)  # gates of 0-4, ups
+    x = (mx.random.normal((3, 1, k), key=mx.random.key(41)) * 3).astype(mx.bfloat16)
+    nw = mx.random.uniform(0.5, 1.5, (k,), key=mx.random.key(42)).astype(mx.bfloat16)
+    got = _cuda_gathered(x, w, scales, biases, _CHOICES, gs, bits, swiglu=True, norm_w=nw)
+    both = qm.Variant(1e-6, swiglu=True)
+    for m, chosen in enumerate(_CHOICES):
+        for s, e in enumerate(chosen):
+            gate_up = [mx.concatenate([a[e], a[e + 5]]) for a in (w, scales, biases)]
+            alone = _cuda_qmm(x[m], *gate_up, gs, bits, variant=both, norm_w=nw)
+            assert np.array_equal(got[m, s], alone[0]), (m, s)
+    one = _cuda_gathered(x[2:], w, scales, biases, _CHOICES[2:], gs, bits, swiglu=True,
+                         norm_w=nw)  # fmt: skip
+    assert np.array_equal(one[0], got[2])
+    want = gathered_matmul_ops(x, w, scales, biases, mx.array(_CHOICES, mx.uint32), group_size=gs,
+                               bits=bits, swiglu=True, norm_weight=nw)  # fmt: skip
+    # the reference dequantizes in float, the kernel to bf16: close (as the swiglu test's)
+    want = np.array(want.astype(mx.float32))
+    assert np.abs(got - want).max() <= 0.1 * np.abs(want).max()
+    text = qm.source(False, qm.Variant(1e-6, swiglu=True, gathered=True))
+    mistake = ("sq = sq + ss_part[v * 8 + m]", "sq = sq + ss_part[m]")
+    assert text.count(mistake[0]) == 1
+    bad = _cuda_gathered(x, w, scales, biases, _CHOICES, gs, bits, swiglu=True, norm_w=nw,
+                         source=text.replace(*mistake))  # fmt: skip
+    assert np.abs(bad - got).max() > 1e-2 * np.abs(got).max()
+
+
 @pytest.mark.parametrize("mistake", [
     ("before % 8 != 0", "before != 0"),  # rows past an expert's first eight never made
     ("(XS == 1 ? 0 : p_g % KS)", "0"),  # every slot reads its token's first x
@@ -859,8 +895,8 @@ def test_emulation_catches_a_broken_gathered_product(mistake):
 
 
 def test_emulated_metal_gathered_product_matches_the_plain_one():
-    """The Metal gathered product, plain and swiglu: each (token, slot) row bitwise the Metal
-    plain product of its expert, x per token and per slot."""
+    """The Metal gathered product, plain, swiglu and with the norm folded in: each (token,
+    slot) row bitwise the Metal plain product of its expert, x per token and per slot."""
     n, k, gs, bits = 40, 512, 64, 4
     rng = np.random.default_rng(7)
     parts = [mx.quantize(mx.array(rng.standard_normal((n, k), dtype=np.float32)), group_size=gs,
@@ -868,13 +904,16 @@ def test_emulated_metal_gathered_product_matches_the_plain_one():
     w, scales, biases = (np.stack([np.array(p[i]) for p in parts]) for i in range(3))
     idx = np.array([[c % 3 for c in row] for row in _CHOICES], np.uint32)
     idx[2, 0] = 1
-    for xs, glu in ((1, False), (2, False), (2, True)):
+    nw = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    for xs, glu, norm in ((1, False, False), (2, False, False), (2, True, False),
+                          (1, True, True)):  # fmt: skip
         x = rng.standard_normal((3, xs, k), dtype=np.float32)
-        variant = qm.Variant(swiglu=glu, gathered=True)
+        variant = qm.Variant(1e-6 if norm else None, swiglu=glu, gathered=True)
         n_out, groups = qm.launch_shape(2 * n if glu else n, glu)
+        extra = {"norm_w": nw} if norm else {}
         got = cuda_emulation.run(
             qm.source(True, variant),
-            {"x": x, "ew": w, "escales": scales, "ebiases": biases, "idx": idx},
+            {"x": x, "ew": w, "escales": scales, "ebiases": biases, "idx": idx} | extra,
             {"y": (3, 2, n_out)},
             {"XT": "float", "ST": "float", "BITS": bits, "GS": gs, "WARPS": qm.WARPS},
             grid=(32 * qm.WARPS * groups, idx.size, 1),
@@ -885,7 +924,9 @@ def test_emulated_metal_gathered_product_matches_the_plain_one():
                 xm = x[m, s if xs == 2 else 0][None]
                 if glu:
                     both = [np.concatenate([a[e], a[e + 3]]) for a in (w, scales, biases)]
-                    alone = _metal_qmm(xm, *both, gs, bits, variant=qm.Variant(swiglu=True))
+                    plain = qm.Variant(variant.norm_eps, swiglu=True)
+                    alone = _metal_qmm(xm, *both, gs, bits, variant=plain,
+                                       norm_w=nw if norm else None)  # fmt: skip
                 else:
                     alone = _metal_qmm(xm, w[e], scales[e], biases[e], gs, bits)
                 assert np.array_equal(got[m, s], alone[0]), (xs, glu, m, s)

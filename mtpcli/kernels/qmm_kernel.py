@@ -459,9 +459,7 @@ class Variant:
 
     def __post_init__(self) -> None:
         assert not (self.swiglu and self.residual), "a swiglu output has no residual"
-        assert not (self.gathered and (self.residual or self.norm_eps is not None)), (
-            "a gathered product is plain or swiglu"
-        )
+        assert not (self.gathered and self.residual), "a gathered product adds no residual"
 
     def suffix(self) -> str:
         return ("_norm" * (self.norm_eps is not None) + "_swiglu" * self.swiglu
@@ -594,17 +592,20 @@ def _template(x: mx.array, scales: mx.array, bits: int, group_size: int, warps: 
 
 def launch_gathered(
     x, w, scales, biases, indices, *, group_size: int, bits: int, swiglu: bool = False,
-    warps: int = WARPS,
+    norm_weight: mx.array | None = None, eps: float = 1e-6, warps: int = WARPS,
 ) -> mx.array | None:  # fmt: skip
     """The native gathered kernel: x [..., XS, K] (XS 1 or KS), experts' weights w [E, N, ...]
     (with ``swiglu``, [2E, N, ...]: the gates, then the ups), indices [..., KS] -> y [..., KS,
-    N] in x's dtype; None where there is no kernel."""
-    k = kernel(Variant(swiglu=swiglu, gathered=True), warps)
+    N] in x's dtype (x RMS-normalised first by ``norm_weight`` [K], as the plain product's norm
+    variant does); None where there is no kernel."""
+    norm = eps if norm_weight is not None else None
+    k = kernel(Variant(norm, swiglu=swiglu, gathered=True), warps)
     if k is None:
         return None
     n_out, groups = launch_shape(w.shape[1] * (2 if swiglu else 1), swiglu)
+    extra = [] if norm_weight is None else [norm_weight]
     return k(
-        inputs=[x, w, scales, biases, indices],
+        inputs=[x, w, scales, biases, indices, *extra],
         template=_template(x, scales, bits, group_size, warps),
         grid=(32 * warps * groups, indices.size, 1),
         threadgroup=(32 * warps, 1, 1),

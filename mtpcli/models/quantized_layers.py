@@ -181,15 +181,19 @@ class FusedExperts:
             for many, one in pairs
         )  # fmt: skip
 
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        """x [..., H] and each token's experts' indices [..., k] (E, last, for the shared
-        expert where it is stacked) -> [..., k, H]."""
+    def __call__(self, x: mx.array, indices: mx.array, norm: nn.RMSNorm | None = None
+                 ) -> mx.array:  # fmt: skip
+        """x [..., H] (normed by ``norm`` first, if given) and each token's experts' indices
+        [..., k] (E, last, for the shared expert where it is stacked) -> [..., k, H]. With
+        the norm, the gate and up product normalises its input itself (the norm's launch
+        saved, its rounding the product's, as ``FusedProjection``'s)."""
         if indices.size // indices.shape[-1] > MAX_ROWS:
-            return self.switch(x, indices)
+            return self.switch(x if norm is None else norm(x), indices)
         opts = {"group_size": self.group_size, "bits": self.bits, "mode": self.kernel_mode}
         w = self.stacked
+        normed = {} if norm is None else {"norm_weight": norm.weight, "eps": norm.eps}
         h = gathered_matmul(mx.expand_dims(x, -2), w["weight"], w["scales"], w["biases"],
-                            indices, swiglu=True, **opts)  # [..., k, I]  # fmt: skip
+                            indices, swiglu=True, **normed, **opts)  # [..., k, I]  # fmt: skip
         d = self.stacked_down if self.shared else self.down
         return gathered_matmul(h, d["weight"], d["scales"], d["biases"], indices, **opts)
 
@@ -198,17 +202,17 @@ class FusedExperts:
         tokens), where the shared expert's slot is made with the others."""
         return x.size // x.shape[-1] <= MAX_ROWS
 
-    def native(self, dtype: mx.Dtype) -> bool:
-        """Whether both products run natively here for activations of ``dtype`` (checked
-        now, once a process), so that every token's rows are row-invariant."""
+    def native(self, dtype: mx.Dtype, norm_eps: float | None = None) -> bool:
+        """Whether both products run natively here for activations of ``dtype`` (the gate
+        and up with a norm of ``norm_eps`` folded in, if given; checked now, once a process),
+        so that every token's rows are row-invariant."""
         scales = self.stacked["scales"].dtype
         # the gate and up read the hidden state (down's outputs), down the experts' widths
         widths = {True: self.down.output_dims, False: self.down.input_dims}
+        opts = {"group_size": self.group_size, "bits": self.bits, "mode": self.kernel_mode}
         ready = [
-            native_ready(
-                dtype, scales, widths[glu], self.group_size, self.bits, glu, self.kernel_mode
-            )  # fmt: skip
-            for glu in (True, False)
+            native_ready(dtype, scales, widths[glu], swiglu=glu, norm_eps=eps, **opts)
+            for glu, eps in ((True, norm_eps), (False, None))
         ]  # both checked now: any warning comes at load
         return all(ready)
 

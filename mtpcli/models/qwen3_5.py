@@ -239,10 +239,20 @@ def _moe(block: nn.Module, experts: FusedExperts, shared: Callable, router: Call
     logits and the shared expert's gate logit side by side [..., E + 1]; the routing (softmax,
     top-k, scores) and the combination (weighted sum, gated shared expert, residual) are a
     launch each where their kernels run (kernels/moe_route.py), the selected experts go
-    through ``experts``, the shared expert through ``shared``."""
+    through ``experts``, the shared expert through ``shared``. Where the shared expert is
+    stacked with the experts and the router is one product, the norm rides in the router's
+    and the experts' gate and up products (each normalises h itself): a MoE block is five
+    launches, router, routing, two gathered products, combination."""
     n, k, normalize = block.num_experts, block.top_k, block.norm_topk_prob
+    folded = experts.shared and isinstance(router, FusedProjection)
 
     def run(h: mx.array, norm: nn.Module) -> mx.array:
+        if folded and experts.takes(h):  # the shared expert as slot k, expert E
+            logits = router(h, norm)  # [B, T, E + 1]
+            fast = moe_route.native_ready(logits.dtype, n, k, normalize, mode)
+            inds, scores = moe_route.route(logits, n, k, normalize, mode, shared_slot=True)
+            y = experts(h, inds, norm)  # [B, T, k + 1, H]
+            return moe_route.combine(y, scores, h, logits, h, fast)
         x = norm(h)  # [B, T, H]
         logits = router(x)  # [B, T, E + 1]
         fast = moe_route.native_ready(logits.dtype, n, k, normalize, mode)
@@ -370,8 +380,11 @@ class Qwen35Target:
                 if FusedProjection.fusable(gates):
                     router = FusedProjection(gates, mode=self.mode)
                 fused_mlp[i] = _moe(mlp, experts, shared, router, self.mode)
+                # folded (see ``_moe``): the experts' gate and up product takes the norm
+                folded = stack and isinstance(router, FusedProjection)
+                eps = layer.post_attention_layernorm.eps if folded else None
                 if (all(type(m) is KernelQuantizedLinear for m in ours)
-                        and FusedProjection.fusable(gates) and experts.native(dtype)
+                        and FusedProjection.fusable(gates) and experts.native(dtype, eps)
                         and moe_route.native_ready(dtype, mlp.num_experts, mlp.top_k,
                                                    mlp.norm_topk_prob, self.mode)):  # fmt: skip
                     moe_native.add(i)
