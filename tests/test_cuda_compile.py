@@ -110,7 +110,7 @@ VARIANT_IDS = ["plain", "residual", "norm", "swiglu", "norm_swiglu", "norm_resid
 
 
 def _product(variant: qm.Variant, xt: str, bits: int, group_size: int = 64,
-             header: str | None = None) -> str:  # fmt: skip
+             header: str | None = None, nt: int = 1) -> str:  # fmt: skip
     """A product variant's source wrapped as MLX wraps it, with its header (launch bounds
     included where the variant has them)."""
     header = qm.header(variant) if header is None else header
@@ -119,7 +119,7 @@ def _product(variant: qm.Variant, xt: str, bits: int, group_size: int = 64,
     types |= {"norm_w": xt} if variant.norm_eps is not None else {}
     types |= {"residual": xt} if variant.residual else {}
     outputs = {"y": xt}
-    constants = {"XT": xt, "ST": xt, "BITS": bits, "GS": group_size, "WARPS": qm.WARPS}
+    constants = {"XT": xt, "ST": xt, "BITS": bits, "GS": group_size, "WARPS": qm.WARPS, "NT": nt}
     return _wrap(qm.source(False, variant), header, types, outputs, constants)
 
 
@@ -145,6 +145,17 @@ def test_quantized_matmul_variants_fit_four_blocks_per_multiprocessor(tmp_path, 
     assert _no_spills(report), report
     used = int(re.search(r"Used (\d+) registers", report).group(1))
     assert used * 32 * qm.WARPS * 4 <= 65536, used
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("nt", qm.TILES[1:])
+def test_products_of_more_tiles_compile_without_spills(tmp_path, variant, nt):
+    """A launch of 9-32 rows (2 or 4 tiles of 8 x rows) holds more accumulators: unbounded
+    (``qm.header``), no variant spills."""
+    code = _product(variant, BF16, 4, header=qm.header(variant, nt=nt), nt=nt)
+    report = _compile(tmp_path, code)
+    assert _no_spills(report), report
+    assert "maxntid" not in code and "__launch_bounds__" not in code
 
 
 @pytest.mark.parametrize("norm,swiglu", [(None, False), (None, True), (1e-6, True)],

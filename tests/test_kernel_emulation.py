@@ -226,6 +226,12 @@ def _outputs(variant: qm.Variant, m: int, n: int) -> dict:
     return {"y": (m, n_out)}
 
 
+def _constants(xt: str, bits: int, group_size: int, warps: int, x) -> dict:
+    """A product's template constants for x [..., K] (its tiles of 8 rows as the launch picks)."""
+    return {"XT": xt, "ST": xt, "BITS": bits, "GS": group_size, "WARPS": warps,
+            "NT": qm.tiles(math.prod(x.shape[:-1]))}  # fmt: skip
+
+
 def _metal_qmm(x: np.ndarray, w, scales, biases, group_size: int, bits: int,
                residual: np.ndarray | None = None, variant: qm.Variant = qm.PLAIN,
                norm_w: np.ndarray | None = None, source: str | None = None):  # fmt: skip
@@ -240,7 +246,7 @@ def _metal_qmm(x: np.ndarray, w, scales, biases, group_size: int, bits: int,
         source or qm.source(True, variant),
         {"x": x, "w": w, "scales": scales, "biases": biases} | extra,
         _outputs(variant, math.prod(x.shape[:-1]), n),
-        {"XT": "float", "ST": "float", "BITS": bits, "GS": group_size, "WARPS": qm.WARPS},
+        _constants("float", bits, group_size, qm.WARPS, x),
         grid=(32 * qm.WARPS * groups, 1, 1),
         threadgroup=(32 * qm.WARPS, 1, 1),
     )
@@ -319,8 +325,7 @@ def _cuda_qmm(x, w, scales, biases, group_size, bits, warps=qm.WARPS, residual=N
         {"x": _bits16(x), "w": np.array(w), "scales": _bits16(scales), "biases": _bits16(biases)}
         | extra,
         _outputs(variant, math.prod(x.shape[:-1]), n),
-        {"XT": "__nv_bfloat16", "ST": "__nv_bfloat16", "BITS": bits, "GS": group_size,
-         "WARPS": warps},
+        _constants("__nv_bfloat16", bits, group_size, warps, x),
         grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
         header=cuda_emulation.emulated_mma(qm._HEADER_CUDA),
@@ -447,9 +452,69 @@ def test_emulated_cuda_norm_and_swiglu_together():
     assert np.array_equal(got[1], got[8][:1])
 
 
+TILED = [qm.PLAIN, qm.Variant(residual=True), qm.Variant(1e-6, swiglu=True),
+         qm.Variant(1e-6, residual=True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", TILED, ids=["plain", "residual", "norm_swiglu", "norm_add"])
+def test_emulated_cuda_product_tiles_give_each_row_its_bits_alone(variant):
+    """Up to 32 rows a launch (a batch of requests, a batched verify): 2 and 4 tiles of 8 x
+    rows share each dequantized weight fragment, and every row's outputs are the bits it has
+    alone (one tile, M = 1) and among 8; the reference agrees on all 32."""
+    x, nw, w, scales, biases = _norm_inputs(4, m=qm.MAX_ROWS, seed=70)
+    nw = nw if variant.norm_eps is not None else None
+    n_out = 20 if variant.swiglu else 40
+    r = mx.random.normal((qm.MAX_ROWS, n_out), key=mx.random.key(71)).astype(mx.bfloat16)
+
+    def run(rows: slice) -> np.ndarray:
+        res = r[rows] if variant.residual else None
+        return _cuda_qmm(x[rows], w, scales, biases, 64, 4, variant=variant, norm_w=nw,
+                         residual=res)  # fmt: skip
+
+    top = run(slice(0, qm.MAX_ROWS))
+    assert np.array_equal(run(slice(0, 13)), top[:13])  # 2 tiles
+    assert np.array_equal(run(slice(0, 8)), top[:8])
+    for i in (0, 9, 17, 31):  # a row of each tile, alone
+        assert np.array_equal(run(slice(i, i + 1))[0], top[i]), i
+    if variant == qm.PLAIN:
+        want = _as_dequantized(x, w, scales, biases, 64, 4)
+        np.testing.assert_allclose(top, want, rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("mistake", [
+    ("const int m = 8 * nt + 2 * t + (i & 1);", "const int m = 2 * t + (i & 1);"),  # one tile
+    ("min(g + 8 * nt, M - 1)", "min(g, M - 1)"),  # every tile reads the first tile's x
+    ("c[nt][i];", "c[0][i];"),  # every tile stores the first one's sums
+])  # fmt: skip
+def test_emulation_catches_a_broken_tile(mistake):
+    """The tiles' test can fail: each mistake changes a row of a later tile."""
+    x, _, w, scales, biases = _norm_inputs(4, m=20, seed=72)
+    text = qm.source(False, qm.PLAIN)
+    assert text.count(mistake[0]) == 1
+    good = _cuda_qmm(x, w, scales, biases, 64, 4)
+    bad = _cuda_qmm(x, w, scales, biases, 64, 4, source=text.replace(*mistake))
+    assert np.abs(bad[8:] - good[8:]).max() > 1e-2 * np.abs(good).max()
+
+
+def test_emulated_metal_product_tiles_give_each_row_its_bits_alone():
+    """The Metal product at 32 rows (with the norm and swiglu): each row the bits it has
+    alone."""
+    rng = np.random.default_rng(73)
+    dense = mx.array(rng.standard_normal((40, 512), dtype=np.float32))
+    w, scales, biases = (np.array(a) for a in mx.quantize(dense, group_size=64, bits=4))
+    x = rng.standard_normal((qm.MAX_ROWS, 512), dtype=np.float32)
+    nw = rng.uniform(0.5, 1.5, 512).astype(np.float32)
+    variant = qm.Variant(1e-6, swiglu=True)
+    top = _metal_qmm(x, w, scales, biases, 64, 4, variant=variant, norm_w=nw)
+    for i in (0, 13, 31):
+        alone = _metal_qmm(x[i : i + 1], w, scales, biases, 64, 4, variant=variant, norm_w=nw)
+        assert np.array_equal(alone[0], top[i]), i
+
+
+ONE_WARPS_SQUARES = ("sq = sq + ss_part[(nt * WARPS + v) * 8 + m]", "sq = sq + ss_part[m]")
 BROKEN_VARIANTS = [  # (variant, a mistake spliced into its source)
-    (qm.Variant(1e-6), ("sq = sq + ss_part[v * 8 + m]", "sq = sq + ss_part[m]")),  # one warp's
-    (qm.Variant(1e-6), ("ss = ss + __shfl_xor_sync(0xffffffffu, ss, 2);", "")),  # half a group
+    (qm.Variant(1e-6), ONE_WARPS_SQUARES),
+    (qm.Variant(1e-6), ("ss[nt] = ss[nt] + __shfl_xor_sync(0xffffffffu, ss[nt], 2);", "")),
     (qm.Variant(swiglu=True), ("hi = lo + NY;", "hi = lo + 8;")),
 ]
 
@@ -770,7 +835,7 @@ def _cuda_gathered(x, w, scales, biases, idx, group_size, bits, swiglu=False, so
          "ebiases": _bits16(biases), "idx": idx} | extra,
         {"y": (*idx.shape, n_out)},
         {"XT": "__nv_bfloat16", "ST": "__nv_bfloat16", "BITS": bits, "GS": group_size,
-         "WARPS": qm.WARPS},
+         "WARPS": qm.WARPS, "NT": 1},
         grid=(32 * qm.WARPS * groups, idx.size, 1),
         threadgroup=(32 * qm.WARPS, 1, 1),
         header=cuda_emulation.emulated_mma(qm._HEADER_CUDA + qm._HEADER_GATHERED),
@@ -868,7 +933,7 @@ def test_emulated_cuda_gathered_product_normalises_its_input(bits):
     want = np.array(want.astype(mx.float32))
     assert np.abs(got - want).max() <= 0.1 * np.abs(want).max()
     text = qm.source(False, qm.Variant(1e-6, swiglu=True, gathered=True))
-    mistake = ("sq = sq + ss_part[v * 8 + m]", "sq = sq + ss_part[m]")
+    mistake = ONE_WARPS_SQUARES
     assert text.count(mistake[0]) == 1
     bad = _cuda_gathered(x, w, scales, biases, _CHOICES, gs, bits, swiglu=True, norm_w=nw,
                          source=text.replace(*mistake))  # fmt: skip
@@ -915,7 +980,7 @@ def test_emulated_metal_gathered_product_matches_the_plain_one():
             qm.source(True, variant),
             {"x": x, "ew": w, "escales": scales, "ebiases": biases, "idx": idx} | extra,
             {"y": (3, 2, n_out)},
-            {"XT": "float", "ST": "float", "BITS": bits, "GS": gs, "WARPS": qm.WARPS},
+            {"XT": "float", "ST": "float", "BITS": bits, "GS": gs, "WARPS": qm.WARPS, "NT": 1},
             grid=(32 * qm.WARPS * groups, idx.size, 1),
             threadgroup=(32 * qm.WARPS, 1, 1),
         )["y"]

@@ -198,7 +198,7 @@ def test_linear_add_lets_the_product_add_the_residual(monkeypatch):
     assert mx.array_equal(y, want).item()
     layer.kernel_mode = "ops"  # the reference: MLX's product, then its add
     assert mx.array_equal(ql.linear_add(layer, x[:3].reshape(1, 3, -1), h), want).item()
-    assert len(calls) == 4  # the residual variant's self-check (M = 1, 3, 8), then the product
+    assert len(calls) == 6  # the residual variant's self-check (M = 1, 3, 8, 13, 32), the product
 
 
 def test_a_residual_kernel_that_drops_the_residual_is_refused(monkeypatch):
@@ -222,7 +222,7 @@ def test_unsupported_layouts_and_row_counts_take_the_reference(monkeypatch):
     x, w, s, b = _layer_inputs(k=1024)
     kw = {"group_size": 64, "bits": 4}
     qm.quantized_matmul(x[:3].astype(mx.float32), w, s, b, **kw)  # f32 activations
-    qm.quantized_matmul(mx.concatenate([x, x[:1]]), w, s, b, **kw)  # 9 rows
+    qm.quantized_matmul(mx.concatenate([x] * 4 + [x[:1]]), w, s, b, **kw)  # 33 rows
     assert calls == [] and not qm.supported(x[:, :960], w, 64, 4)  # nor K % 128 != 0
     qm.quantized_matmul(x[:2], w, s, b, **kw)  # control: a supported product goes native
     assert calls[-1] == (2, 1024)
@@ -260,7 +260,7 @@ def test_norm_and_swiglu_ride_in_one_launch(monkeypatch):
     nw = _norm_weight()
     y = qm.quantized_matmul(x[:3], w, s, b, group_size=64, bits=4, norm_weight=nw, swiglu=True)
     assert calls[-1]["swiglu"] is True and calls[-1]["norm_weight"] is nw  # one launch
-    assert len(calls) == 4  # the variant's self-check (M = 1, 3, 8), then the product
+    assert len(calls) == 6  # the variant's self-check (M = 1, 3, 8, 13, 32), the product
     want = qm.quantized_matmul_ops(x[:3], w, s, b, group_size=64, bits=4, norm_weight=nw,
                                    swiglu=True)  # fmt: skip
     assert y.shape == (3, 20) and mx.array_equal(y, want).item()

@@ -46,22 +46,23 @@ def gathered_matmul_ops(
 
 def _self_check(dtype, sdtype, group_size: int, bits: int, swiglu: bool,
                 norm_eps: float | None = None) -> str | None:  # fmt: skip
-    """Agreement with the reference and row invariance (1, 3 and 8 tokens of 2 experts each,
-    of 4, so that experts are shared) on 40 weight rows of K = 1024 (of one variant: swiglu,
-    the norm folded in)."""
+    """Agreement with the reference and row invariance (1, 3, 8 and ``MAX_ROWS`` tokens of 2
+    experts each, of 4, so that experts are shared, by more than 8 tokens at the most) on 40
+    weight rows of K = 1024 (of one variant: swiglu, the norm folded in)."""
     e, n, k = 4, 40, 1024
     stacked = 2 * e if swiglu else e  # gates, then ups
     parts = [random_quantized(n, k, group_size, bits, sdtype, seed=30 + i)
              for i in range(stacked)]  # fmt: skip
     w, scales, biases = (mx.stack(a) for a in zip(*parts, strict=True))  # [E, N, ...]
-    x = (mx.random.normal((8, 1, k), key=mx.random.key(31)) * 3).astype(dtype)
-    idx = mx.array([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3], [2, 0], [3, 1]], mx.uint32)
+    x = (mx.random.normal((MAX_ROWS, 1, k), key=mx.random.key(31)) * 3).astype(dtype)
+    idx = mx.array([[t % e, (t + 1 + t // e % (e - 1)) % e] for t in range(MAX_ROWS)], mx.uint32)
     opts: dict = {"group_size": group_size, "bits": bits, "swiglu": swiglu}
     if norm_eps is not None:  # small, as the plain product's check has it (float16 swiglu)
         nw = mx.random.uniform(0.1, 0.3, (k,), key=mx.random.key(32)).astype(dtype)
         opts |= {"eps": norm_eps, "norm_weight": nw}
     try:
-        got = {m: launch_gathered(x[:m], w, scales, biases, idx[:m], **opts) for m in (1, 3, 8)}
+        got = {m: launch_gathered(x[:m], w, scales, biases, idx[:m], **opts)
+               for m in (1, 3, 8, MAX_ROWS)}  # fmt: skip
         want = gathered_matmul_ops(x, w, scales, biases, idx, **opts)
         mx.eval(got, want)
     except Exception as err:  # noqa: BLE001 - a kernel that fails to build is not trusted

@@ -9,13 +9,16 @@ weight = scale * q + bias. The dispatch, ops reference and self-check are in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from . import built, fill, kernel_name, launch_bounds
 
-MAX_ROWS = 8  # the mma's n dimension
+TILE_ROWS = 8  # the mma's n dimension: x rows a tile of the product takes
+TILES = (1, 2, 4)  # tiles a launch: one dequantized weight fragment feeds each tile's mma
+MAX_ROWS = TILE_ROWS * TILES[-1]  # rows of one product
 WARPS = 8  # split-K warps per 16-row tile, reduced in a fixed order
 GROUP_SIZES = (32, 64, 128)
 BITS = (4, 8)
@@ -121,10 +124,12 @@ def _prologue(lane: str, warp: str) -> str:
 
 
 # A warp owns a 16-row tile and every WARPS-th 16-word stretch of K. Lane (g, t) = (lane / 4,
-# lane % 4) dequantizes 4 words of rows g and g + 8 and loads x row g at the same k: exactly the
-# A and B fragments of m16n8k16, up to a permutation of k inside each mma, which is the same for
-# A and B and so leaves each product's terms unchanged. The warps' partial tiles are added in
-# warp order. x rows g >= M are zeros; nothing else depends on M.
+# lane % 4) dequantizes 4 words of rows g and g + 8 and loads x rows g, g + 8, ... (one a tile
+# of 8 x rows, NT tiles) at the same k: exactly the A and B fragments of m16n8k16, up to a
+# permutation of k inside each mma, which is the same for A and B and so leaves each product's
+# terms unchanged. The dequantized A fragment feeds every tile's mma, and a column of an mma is
+# computed alone, so an x row's outputs are the same bits in any tile of any NT. The warps'
+# partial tiles are added in warp order. x rows >= M are zeros; nothing else depends on M.
 _CUDA_TEMPLATE = (
     """
     constexpr int VPW = 32 / BITS;              // values per word
@@ -139,9 +144,10 @@ _CUDA_TEMPLATE = (
     const ST* b_lo = biases + lo * groups;
     const ST* s_hi = scales + hi * groups;
     const ST* b_hi = biases + hi * groups;
-    const uint32_t* x_g = reinterpret_cast<const uint32_t*>(x) + {{X_G}};
+    const uint32_t* x_w = reinterpret_cast<const uint32_t*>(x);
     {{NORM_INIT}}
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float c[NT][4];  // tile nt: x rows 8 nt + 2t, + 1 of rows r_lo, r_hi
+    for (int nt = 0; nt < NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
     auto pair = [](ST v) {  // a scale or bias as a pair of x's type
       const XT h = static_cast<XT>(static_cast<float>(v));
       return XT2{h, h};
@@ -166,37 +172,48 @@ _CUDA_TEMPLATE = (
       const XT2 s2_lo = pair(sl), b2_lo = pair(bl), s2_hi = pair(sh), b2_hi = pair(bh);
       if (st + WARPS < stretches) fetch(st + WARPS);
       for (int j = 0; j < 4; ++j) {
-        uint32_t xv[XW];
-        if (g < M) {
-          qm_load<XW>(xv, x_g + (word0 + j) * XW);
-        } else {
-          for (int i = 0; i < XW; ++i) xv[i] = 0u;
+        uint32_t xv[NT][XW];
+        for (int nt = 0; nt < NT; ++nt) {
+          if (g + 8 * nt < M) {
+            qm_load<XW>(xv[nt], x_w + {{X_G}} + (word0 + j) * XW);
+          } else {
+            for (int i = 0; i < XW; ++i) xv[nt][i] = 0u;
+          }
         }
         {{NORM_X}}
         for (int s = 0; s < STEPS; ++s) {
-          uint32_t a[4], b[2];
+          uint32_t a[4];
           a[0] = qm_as_u32(__hfma2(qm_ints<BITS>(wl[j], 2 * s, XT{}), s2_lo, b2_lo));
           a[1] = qm_as_u32(__hfma2(qm_ints<BITS>(wh[j], 2 * s, XT{}), s2_hi, b2_hi));
           a[2] = qm_as_u32(__hfma2(qm_ints<BITS>(wl[j], 2 * s + 1, XT{}), s2_lo, b2_lo));
           a[3] = qm_as_u32(__hfma2(qm_ints<BITS>(wh[j], 2 * s + 1, XT{}), s2_hi, b2_hi));
-          b[0] = __byte_perm(xv[s], xv[s + STEPS], 0x5410);
-          b[1] = __byte_perm(xv[s], xv[s + STEPS], 0x7632);
-          qm_mma(c, a, b, XT{});
+          for (int nt = 0; nt < NT; ++nt) {
+            uint32_t b[2];
+            b[0] = __byte_perm(xv[nt][s], xv[nt][s + STEPS], 0x5410);
+            b[1] = __byte_perm(xv[nt][s], xv[nt][s + STEPS], 0x7632);
+            qm_mma(c[nt], a, b, XT{});
+          }
         }
       }
     }
-    __shared__ float part[WARPS * 32 * 4];
-    for (int i = 0; i < 4; ++i) part[(warp * 32 + lane) * 4 + i] = c[i];
+    __shared__ float part[NT * WARPS * 32 * 4];
+    for (int nt = 0; nt < NT; ++nt) {
+      for (int i = 0; i < 4; ++i) part[((nt * WARPS + warp) * 32 + lane) * 4 + i] = c[nt][i];
+    }
     {{NORM_PART}}
     __syncthreads();
     if (warp == 0) {
-      float acc[4];  // rows r_lo (0, 1) and r_hi (2, 3), x rows 2t and 2t + 1
-      for (int i = 0; i < 4; ++i) {
-        acc[i] = part[lane * 4 + i];
-        for (int v = 1; v < WARPS; ++v) acc[i] = acc[i] + part[(v * 32 + lane) * 4 + i];
+      for (int nt = 0; nt < NT; ++nt) {
+        float acc[4];  // rows r_lo (0, 1) and r_hi (2, 3), x rows 8 nt + 2t and 8 nt + 2t + 1
+        for (int i = 0; i < 4; ++i) {
+          acc[i] = part[(nt * WARPS * 32 + lane) * 4 + i];
+          for (int v = 1; v < WARPS; ++v) {
+            acc[i] = acc[i] + part[((nt * WARPS + v) * 32 + lane) * 4 + i];
+          }
+        }
+        {{NORM_SCALE}}
+        {{STORE}}
       }
-      {{NORM_SCALE}}
-      {{STORE}}
     }
 """
 )
@@ -208,7 +225,7 @@ _CUDA_ROWS = """const int r_lo = blockIdx.x * 16 + g;
     const size_t lo = min(r_lo, N - 1), hi = min(r_hi, N - 1);  // rows past N: any row, unused"""
 _CUDA_STORE = """for (int i = 0; i < 4; ++i) {
         const int row = i < 2 ? r_lo : r_hi;
-        const int m = 2 * t + (i & 1);
+        const int m = 8 * nt + 2 * t + (i & 1);
         if (row < N && m < M) y[{{Y_M}} * N + row] = {{RESULT}};
       }"""
 # The swiglu variant: a tile is 8 gate rows and their 8 up rows (the weight's second half),
@@ -218,7 +235,7 @@ _CUDA_ROWS_SWIGLU = """const int NY = N / 2;  // outputs: gate row r, up row r +
     const int r_lo = blockIdx.x * 8 + g;
     const size_t lo = min(r_lo, NY - 1), hi = lo + NY;  // rows past NY: any pair, unused"""
 _CUDA_STORE_SWIGLU = """for (int i = 0; i < 2; ++i) {
-        const int m = 2 * t + i;
+        const int m = 8 * nt + 2 * t + i;
         if (r_lo < NY && m < M) {
           const float gt = QM_RD(acc[i]), up = QM_RD(acc[i + 2]);
           const float sg = QM_RD(1.0f / (1.0f + expf(-gt)));
@@ -233,25 +250,30 @@ _CUDA_STORE_SWIGLU = """for (int i = 0; i < 2; ++i) {
 # and scales the row's outputs by rsqrt(mean + eps) at the end: the norm's launch saved.
 _CUDA_NORM = {
     "NORM_INIT": """const uint32_t* nw = reinterpret_cast<const uint32_t*>(norm_w);
-    float ss = 0.0f;  // x row g's squares over this lane's words""",
+    float ss[NT];  // x rows g + 8 nt: their squares over this lane's words
+    for (int nt = 0; nt < NT; ++nt) ss[nt] = 0.0f;""",
     "NORM_X": """{
           const uint32_t* nw_j = nw + (word0 + j) * XW;  // word by word: 3 registers fewer
           for (int i = 0; i < XW; ++i) {
-            const XT2 p = qm_pair(xv[i], XT{});
-            const float x0 = static_cast<float>(p.x), x1 = static_cast<float>(p.y);
-            ss = fmaf(x0, x0, ss);
-            ss = fmaf(x1, x1, ss);
-            xv[i] = qm_as_u32(__hmul2(p, qm_pair(nw_j[i], XT{})));
+            for (int nt = 0; nt < NT; ++nt) {
+              const XT2 p = qm_pair(xv[nt][i], XT{});
+              const float x0 = static_cast<float>(p.x), x1 = static_cast<float>(p.y);
+              ss[nt] = fmaf(x0, x0, ss[nt]);
+              ss[nt] = fmaf(x1, x1, ss[nt]);
+              xv[nt][i] = qm_as_u32(__hmul2(p, qm_pair(nw_j[i], XT{})));
+            }
           }
         }""",
-    "NORM_PART": """ss = ss + __shfl_xor_sync(0xffffffffu, ss, 1);
-    ss = ss + __shfl_xor_sync(0xffffffffu, ss, 2);
-    __shared__ float ss_part[WARPS * 8];
-    if (t == 0) ss_part[warp * 8 + g] = ss;""",
+    "NORM_PART": """__shared__ float ss_part[NT * WARPS * 8];
+    for (int nt = 0; nt < NT; ++nt) {
+      ss[nt] = ss[nt] + __shfl_xor_sync(0xffffffffu, ss[nt], 1);
+      ss[nt] = ss[nt] + __shfl_xor_sync(0xffffffffu, ss[nt], 2);
+      if (t == 0) ss_part[(nt * WARPS + warp) * 8 + g] = ss[nt];
+    }""",
     "NORM_SCALE": """for (int i = 0; i < 2; ++i) {
         const int m = 2 * t + i;
-        float sq = ss_part[m];
-        for (int v = 1; v < WARPS; ++v) sq = sq + ss_part[v * 8 + m];
+        float sq = ss_part[nt * WARPS * 8 + m];
+        for (int v = 1; v < WARPS; ++v) sq = sq + ss_part[(nt * WARPS + v) * 8 + m];
         const float inv = rsqrtf(sq / K + {{EPS}});
         acc[i] = acc[i] * inv;
         acc[i + 2] = acc[i + 2] * inv;
@@ -267,12 +289,13 @@ _METAL_TEMPLATE = (
     """
     constexpr int VPW = 32 / BITS;
     constexpr uint MASK = (1u << BITS) - 1u;
+    constexpr int MR = 8 * NT;  // x rows a launch takes
 """
     + _prologue("thread_index_in_simdgroup", "simdgroup_index_in_threadgroup")
     + """    device const uint32_t* w_lo = w + lo * words;
     device const uint32_t* w_hi = w + hi * words;
-    float c_lo[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    float c_hi[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float c_lo[MR], c_hi[MR];
+    for (int m = 0; m < MR; ++m) c_lo[m] = c_hi[m] = 0.0f;
     {{NORM_INIT}}
     for (int st = warp; st < stretches; st += WARPS) {
       const int word0 = st * 16 + t * 4;
@@ -289,7 +312,7 @@ _METAL_TEMPLATE = (
           // dequantized and rounded to x's dtype, as the CUDA kernel's A fragments are
           const float wl = float(XT(fma(float((ql >> (BITS * i)) & MASK), s_lo, b_lo)));
           const float wh = float(XT(fma(float((qh >> (BITS * i)) & MASK), s_hi, b_hi)));
-          for (int m = 0; m < 8; ++m) {
+          for (int m = 0; m < MR; ++m) {
             if (m < M) {
               float xm = static_cast<float>(x[{{X_M}} + k]);
               {{NORM_X}}
@@ -300,17 +323,17 @@ _METAL_TEMPLATE = (
         }
       }
     }
-    for (int m = 0; m < 8; ++m) {
+    for (int m = 0; m < MR; ++m) {
       for (ushort off = 1; off < 4; off <<= 1) {
         c_lo[m] = c_lo[m] + simd_shuffle_xor(c_lo[m], off);
         c_hi[m] = c_hi[m] + simd_shuffle_xor(c_hi[m], off);
       }
     }
-    threadgroup float part[WARPS * 16 * 8];
+    threadgroup float part[WARPS * 16 * MR];
     if (t == 0) {
-      for (int m = 0; m < 8; ++m) {
-        part[(warp * 16 + g) * 8 + m] = c_lo[m];
-        part[(warp * 16 + g + 8) * 8 + m] = c_hi[m];
+      for (int m = 0; m < MR; ++m) {
+        part[(warp * 16 + g) * MR + m] = c_lo[m];
+        part[(warp * 16 + g + 8) * MR + m] = c_hi[m];
       }
     }
     {{NORM_PART}}
@@ -322,8 +345,8 @@ _METAL_TEMPLATE = (
 _METAL_STORE = """if (warp == 0 && lane < 16) {
       const int row = threadgroup_position_in_grid.x * 16 + lane;
       for (int m = 0; m < M; ++m) {
-        float acc = part[lane * 8 + m];
-        for (int v = 1; v < WARPS; ++v) acc = acc + part[(v * 16 + lane) * 8 + m];
+        float acc = part[lane * MR + m];
+        for (int v = 1; v < WARPS; ++v) acc = acc + part[(v * 16 + lane) * MR + m];
         {{NORM_SCALE}}
         if (row < N) y[{{Y_M}} * N + row] = {{RESULT}};
       }
@@ -331,11 +354,11 @@ _METAL_STORE = """if (warp == 0 && lane < 16) {
 _METAL_STORE_SWIGLU = """if (warp == 0 && lane < 8) {
       const int row = threadgroup_position_in_grid.x * 8 + lane;
       for (int m = 0; m < M; ++m) {
-        float acc = part[lane * 8 + m];  // the gate row
-        float up_acc = part[(lane + 8) * 8 + m];  // its up row
+        float acc = part[lane * MR + m];  // the gate row
+        float up_acc = part[(lane + 8) * MR + m];  // its up row
         for (int v = 1; v < WARPS; ++v) {
-          acc = acc + part[(v * 16 + lane) * 8 + m];
-          up_acc = up_acc + part[(v * 16 + lane + 8) * 8 + m];
+          acc = acc + part[(v * 16 + lane) * MR + m];
+          up_acc = up_acc + part[(v * 16 + lane + 8) * MR + m];
         }
         {{NORM_SCALE}}
         const float gt = float(XT(acc)), up = float(XT(up_acc));
@@ -346,16 +369,17 @@ _METAL_STORE_SWIGLU = """if (warp == 0 && lane < 8) {
 
 
 _METAL_NORM = {
-    "NORM_INIT": "float ss[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // x rows' squares, this lane's k",
+    "NORM_INIT": """float ss[MR];  // x rows' squares, this lane's k
+    for (int m = 0; m < MR; ++m) ss[m] = 0.0f;""",
     "NORM_X": """ss[m] = fma(xm, xm, ss[m]);
               xm = float(XT(xm * static_cast<float>(norm_w[k])));""",
-    "NORM_PART": """threadgroup float ss_part[WARPS * 8];
-    for (int m = 0; m < 8; ++m) {
+    "NORM_PART": """threadgroup float ss_part[WARPS * MR];
+    for (int m = 0; m < MR; ++m) {
       for (ushort off = 1; off < 4; off <<= 1) ss[m] = ss[m] + simd_shuffle_xor(ss[m], off);
-      if (lane == 0) ss_part[warp * 8 + m] = ss[m];
+      if (lane == 0) ss_part[warp * MR + m] = ss[m];
     }""",
     "NORM_SCALE": """float sq = ss_part[m];
-        for (int v = 1; v < WARPS; ++v) sq = sq + ss_part[v * 8 + m];
+        for (int v = 1; v < WARPS; ++v) sq = sq + ss_part[v * MR + m];
         const float inv = rsqrt(sq / K + {{EPS}});
         acc = acc * inv;
         {{SCALE_UP}}""",
@@ -377,7 +401,8 @@ _SHAPES = """const int K = x_shape[x_ndim - 1];
     int M = 1;  // x [..., K]: its leading axes are rows, so no reshape is needed around a call
     for (int d = 0; d + 1 < x_ndim; ++d) M *= x_shape[d];
     const int N = w_shape[0];"""
-_PLAIN_ROWS = {"X_G": "(size_t)min(g, M - 1) * (K / 2)", "X_M": "(size_t)m * K", "Y_M": "(size_t)m"}
+_PLAIN_ROWS = {"X_G": "(size_t)min(g + 8 * nt, M - 1) * (K / 2)", "X_M": "(size_t)m * K",
+               "Y_M": "(size_t)m"}  # fmt: skip
 
 # The gathered (mixture-of-experts) product: ew [E, N, ...] holds every expert's weights,
 # idx [..., KS] the experts each token selects (distinct within a token), x [..., XS, K] one
@@ -542,18 +567,21 @@ def _spec(metal: bool, header: str, variant: Variant = PLAIN) -> dict:
 NORM_MIN_BLOCKS = 4
 
 
-def header(variant: Variant, warps: int = WARPS, min_blocks: int | None = None) -> str:
-    """The CUDA header a variant's kernel is built with (``min_blocks``: launch bounds)."""
+def header(variant: Variant, warps: int = WARPS, min_blocks: int | None = None,
+           nt: int = 1) -> str:  # fmt: skip
+    """The CUDA header a variant's kernel of ``nt`` tiles is built with (``min_blocks``: launch
+    bounds; more tiles hold more accumulators, and are left unbounded)."""
     bounded = (variant.norm_eps is not None or variant.swiglu) and not variant.gathered
-    if min_blocks is None and bounded and warps == WARPS:
+    if min_blocks is None and bounded and warps == WARPS and nt == 1:
         min_blocks = NORM_MIN_BLOCKS
     gathered = _HEADER_GATHERED if variant.gathered else ""
     return _HEADER_CUDA + gathered + (launch_bounds(warps, min_blocks) if min_blocks else "")
 
 
-def kernel(variant: Variant, warps: int = WARPS, min_blocks: int | None = None):
-    """The variant's kernel for the running backend; None where there is none (the CPU)."""
-    text = header(variant, warps, min_blocks)
+def kernel(variant: Variant, warps: int = WARPS, min_blocks: int | None = None, nt: int = 1):
+    """The variant's kernel of ``nt`` tiles for the running backend; None where there is none
+    (the CPU)."""
+    text = header(variant, warps, min_blocks, nt)
     return built(_kernels, (variant, text),
                  lambda metal: _spec(metal, "" if metal else text, variant))  # fmt: skip
 
@@ -563,20 +591,21 @@ def launch(
     norm_weight: mx.array | None = None, eps: float = 1e-6, swiglu: bool = False,
     warps: int = WARPS, min_blocks: int | None = None,
 ) -> mx.array | None:  # fmt: skip
-    """The native kernel for x [..., K] of M <= 8 rows (the leading axes): y [..., N] in x's
-    dtype (see ``quantized_matmul_ops`` for the options; ``norm_weight`` and ``residual`` in
-    x's dtype, the residual with x's rows); None where there is no kernel. ``warps`` and
-    ``min_blocks`` (launch bounds, CUDA) are for benchmarks."""
+    """The native kernel for x [..., K] of M <= ``MAX_ROWS`` rows (the leading axes): y [...,
+    N] in x's dtype (see ``quantized_matmul_ops`` for the options; ``norm_weight`` and
+    ``residual`` in x's dtype, the residual with x's rows); None where there is no kernel.
+    ``warps`` and ``min_blocks`` (launch bounds, CUDA) are for benchmarks."""
     variant = Variant(eps if norm_weight is not None else None, swiglu, residual is not None)
-    k = kernel(variant, warps, min_blocks)
+    lead, N = x.shape[:-1], w.shape[0]
+    nt = tiles(math.prod(lead))
+    k = kernel(variant, warps, min_blocks, nt)
     if k is None:
         return None
-    lead, N = x.shape[:-1], w.shape[0]
     n_out, groups = launch_shape(N, swiglu)
     extra = [a for a in (norm_weight, residual) if a is not None]
     return k(
         inputs=[x, w, scales, biases, *extra],
-        template=_template(x, scales, bits, group_size, warps),
+        template=_template(x, scales, bits, group_size, warps, nt),
         grid=(32 * warps * groups, 1, 1),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[(*lead, n_out)],
@@ -584,10 +613,17 @@ def launch(
     )[0]
 
 
-def _template(x: mx.array, scales: mx.array, bits: int, group_size: int, warps: int) -> list:
-    """The template arguments every variant takes."""
+def tiles(rows: int) -> int:
+    """The tiles of 8 x rows a launch of ``rows`` rows takes (the fewest of ``TILES``): a row's
+    bits are the same in each, so fewer rows pay for fewer tiles' registers and mma."""
+    return next(n for n in TILES if rows <= n * TILE_ROWS)
+
+
+def _template(x: mx.array, scales: mx.array, bits: int, group_size: int, warps: int,
+              nt: int = 1) -> list:  # fmt: skip
+    """The template arguments every variant takes (``nt``: tiles of x rows)."""
     return [("XT", x.dtype), ("ST", scales.dtype), ("BITS", bits), ("GS", group_size),
-            ("WARPS", warps)]  # fmt: skip
+            ("WARPS", warps), ("NT", nt)]  # fmt: skip
 
 
 def launch_gathered(

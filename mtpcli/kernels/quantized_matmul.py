@@ -1,11 +1,12 @@
-"""Affine-quantized matmul for 1-8 rows that reads each weight once, row-invariant by construction.
+"""Affine-quantized matmul for 1-32 rows that reads each weight once, row-invariant by construction.
 
 MLX's quantized matrix-vector kernel re-reads the weights for every row of a 2-8 row input, so
 a verify block of T positions costs about T decode steps in the matmuls. Here one launch serves
-M = 1..8 rows: the weights are dequantized once (to the activations' dtype, one rounding) and
-multiplied with a tensor-core ``mma.m16n8k16`` whose 8 columns are the M rows of x (unused
-columns are zeros). Every output row is computed by the same instructions in the same order
-whatever M is, so a verify row equals the decode row bitwise; the self-check confirms that on
+M = 1..32 rows: the weights are dequantized once (to the activations' dtype, one rounding) and
+multiplied with tensor-core ``mma.m16n8k16``s whose 8 columns are 8 rows of x (a tile; 1, 2 or
+4 tiles a launch, unused columns zeros). Every output row is computed by the same instructions
+in the same order whatever M is, so a verify row equals the decode row bitwise, and a batch's
+rows their requests' alone; the self-check confirms that on
 the running GPU before the kernel is trusted. The kernel texts are in ``qmm_kernel.py``, the
 model's layers that call this in ``models/quantized_layers.py``.
 """
@@ -54,25 +55,26 @@ def random_quantized(n: int, k: int, group_size: int, bits: int, dtype, seed: in
 
 
 def _self_check(dtype, sdtype, group_size: int, bits: int, variant: Variant = PLAIN) -> str | None:
-    """Agreement with the reference and row invariance (M = 1, 3, 8) of one variant, on 40
-    weight rows of K = 1024."""
+    """Agreement with the reference and row invariance (M = 1, 3, 8, 13 and ``MAX_ROWS``: one
+    tile, two and all) of one variant, on 40 weight rows of K = 1024."""
     n, k = 40, 1024  # 40 rows: a partial last tile (of 16 rows; with swiglu, of 8 pairs)
     w, scales, biases = random_quantized(n, k, group_size, bits, sdtype, seed=7)
-    x = (mx.random.normal((8, k), key=mx.random.key(8)) * 3).astype(dtype)
+    x = (mx.random.normal((MAX_ROWS, k), key=mx.random.key(8)) * 3).astype(dtype)
     opts: dict = {"group_size": group_size, "bits": bits, "swiglu": variant.swiglu}
     if variant.norm_eps is not None:
         # small enough that float16 holds swiglu of 8-bit products (their weights are large)
         nw = mx.random.uniform(0.1, 0.3, (k,), key=mx.random.key(10)).astype(dtype)
         opts |= {"eps": variant.norm_eps, "norm_weight": nw}
     n_out = n // 2 if variant.swiglu else n
-    r = mx.random.normal((8, n_out), key=mx.random.key(9)).astype(dtype)
+    r = mx.random.normal((MAX_ROWS, n_out), key=mx.random.key(9)).astype(dtype)
 
     def rows(m: int) -> dict:
         return {"residual": r[:m]} if variant.residual else {}
 
     try:
-        got = {m: launch(x[:m], w, scales, biases, **opts, **rows(m)) for m in (1, 3, 8)}
-        want = quantized_matmul_ops(x, w, scales, biases, **opts, **rows(8))
+        got = {m: launch(x[:m], w, scales, biases, **opts, **rows(m))
+               for m in (1, 3, 8, 13, MAX_ROWS)}  # fmt: skip
+        want = quantized_matmul_ops(x, w, scales, biases, **opts, **rows(MAX_ROWS))
         mx.eval(got, want)
     except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
         return f"{type(e).__name__}: {e}"
