@@ -1,9 +1,12 @@
 """Concurrent clients against a server: aggregate tokens/s, latency and time to first text at
-1, 4 and 8 clients, ours (``mtp serve``, MTP forced and classic) and ``mlx_lm.server`` on the
-built-in example, each started here in turn and spoken to by the openai client, streaming.
+1, 4 and 8 clients (``--clients``), ours (``mtp serve``, MTP forced and classic, and requests
+decoded together) and ``mlx_lm.server`` on the built-in example, each started here in turn and
+spoken to by the openai client, streaming.
 
     python scripts/bench_serve.py --requests 3 --max-tokens 64 --json out.json
     python scripts/bench_serve.py --model /root/q27/target --servers ours_classic ours_batched
+    python scripts/bench_serve.py --model /root/q27/target --servers ours_batched \
+        --max-batch 32 --clients 1 8 16 32
 
 At each concurrency every client sends ``--requests`` chat requests one after another (the
 example's held-out prompts, each after a line no server has seen, so that none is cached;
@@ -28,8 +31,6 @@ from pathlib import Path
 from bench_prompt_cache import _free_port, _start  # scripts/: starting a server, its port
 
 from mtpcli.example import ensure_example, example_prompts
-
-CONCURRENCY = (1, 4, 8)
 
 
 def _ask(client, model: str, prompt: str, max_tokens: int) -> dict:
@@ -93,9 +94,9 @@ def run_server(name: str, argv: list[str], port: int, model: str, prompts: list[
     try:
         # a prompt of the runs' kind (a first one of a shape compiles kernels on a GPU)
         _ask(client, model, "# warm-up\n" + prompts[-1], 16)
-        runs: dict[int, list[dict]] = {c: [] for c in CONCURRENCY}
+        runs: dict[int, list[dict]] = {c: [] for c in args.clients}
         for rep in range(args.repeats):  # the levels interleaved, so that drift reaches each
-            for c in CONCURRENCY:
+            for c in args.clients:
                 runs[c].append(_level(client, model, c, prompts, args, rep))
     finally:
         proc.terminate()
@@ -110,7 +111,7 @@ def run_server(name: str, argv: list[str], port: int, model: str, prompts: list[
                for k in ("latency_p50_s", "latency_p95_s", "ttft_p50_s", "ttft_p95_s")},
             "runs": rs,
         }  # fmt: skip
-    base = levels[1]["aggregate_tps"]["median"]
+    base = levels[args.clients[0]]["aggregate_tps"]["median"]
     return {"levels": list(levels.values()),
             "aggregate_vs_one_client": {c: v["aggregate_tps"]["median"] / base
                                         for c, v in levels.items()}}  # fmt: skip
@@ -121,6 +122,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=3, help="requests each client sends")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each concurrency level")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8],
+                    help="concurrency levels; ratios are against the first")  # fmt: skip
+    ap.add_argument("--max-batch", type=int, default=8, help="the batched arm's --max-batch")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--logs", type=Path, default=Path("/tmp"))
     ap.add_argument("--model", type=Path, default=None,
@@ -133,8 +137,9 @@ def main() -> None:
         help="which of ours_mtp, ours_classic, ours_batched, mlx_lm (default: all)",
     )
     args = ap.parse_args()
-    if min(args.requests, args.repeats, args.max_tokens) < 1:
-        ap.error("--requests, --repeats and --max-tokens must be at least 1")
+    if min(args.requests, args.repeats, args.max_tokens, args.max_batch, *args.clients) < 1:
+        ap.error("--requests, --repeats, --max-tokens, --max-batch and --clients must be at "
+                 "least 1")  # fmt: skip
     target = args.model or ensure_example()[0]
     prompts = example_prompts()
     load = os.getloadavg()
@@ -145,7 +150,8 @@ def main() -> None:
     servers = {
         "ours_mtp": ([*ours, str(p1), "--draft-kind", "mtp"], p1, name),
         "ours_classic": ([*ours, str(p2), "--draft-kind", "none"], p2, name),
-        "ours_batched": ([*ours, str(p4), "--draft-kind", "none", "--max-batch", "8"], p4, name),
+        "ours_batched": ([*ours, str(p4), "--draft-kind", "none", "--max-batch",
+                          str(args.max_batch)], p4, name),
         "mlx_lm": ([sys.executable, "-m", "mlx_lm.server", "--model", str(target), "--port",
                     str(p3)], p3, str(target)),
     }  # fmt: skip
@@ -167,7 +173,8 @@ def main() -> None:
                     "load_before": load, "load_after": os.getloadavg()},
         "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
         "command": f"python scripts/bench_serve.py --requests {args.requests} --repeats "
-                   f"{args.repeats} --max-tokens {args.max_tokens}"
+                   f"{args.repeats} --max-tokens {args.max_tokens} --clients "
+                   f"{' '.join(map(str, args.clients))} --max-batch {args.max_batch}"
                    + (f" --servers {' '.join(args.servers)}" if args.servers else "")
                    + (f" --model {args.model}" if args.model else ""),
     }  # fmt: skip
