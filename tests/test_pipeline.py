@@ -21,7 +21,7 @@ from mtpcli.errors import PipelineError
 from mtpcli.models.pipeline import split
 
 BIN = Path(sys.executable).parent
-LONG = "def parse_args(argv):\n" + "    return argv  # keep the parser small\n" * 70  # > 2 chunks
+LONG = "def parse_args(argv):\n" + "    return argv  # keep the parser small\n" * 38  # > 1 chunk
 
 
 def test_split_gives_rank_0_the_last_layers_and_the_low_ranks_one_more():
@@ -76,7 +76,7 @@ def test_ranks_give_the_single_process_tokens(n, kind, prompt, sampling):
     assert got[0]["mtp_engaged"] == (kind == "mtp")
     if kind == "mtp":
         assert got[0]["stats"]["rounds"] > 0
-    assert want["stats"]["prompt_tokens"] > 2 * 512 or prompt != LONG  # chunks and cuts
+    assert want["stats"]["prompt_tokens"] > 512 or prompt != LONG  # a chunk, a cut, the rest
 
 
 @pytest.mark.parametrize(("moe", "bits"), [(True, 4), (False, None)], ids=["moe-4bit", "bf16"])
