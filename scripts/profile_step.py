@@ -5,6 +5,8 @@ against the wall-clock time of the same step.
     ncu --profile-from-start off --clock-control none --csv \\
         --metrics gpu__time_duration.sum python scripts/profile_step.py --t 1 > DIR/ncu_t1.csv
     python scripts/profile_step.py --summarize DIR               # the table, from both
+    python scripts/profile_step.py --wall --rows 8 32 --out DIR  # batch steps of 8 and 32 rows
+    ncu ... python scripts/profile_step.py --rows 32 > DIR/ncu_b32.csv
 
 The model is the random-weight 27B shape, 4-bit, after a 64-token prompt, with everything
 warmed up (compiled layer functions traced, kernels self-checked). A step is one forward of T
@@ -12,7 +14,9 @@ tokens through the path the engine uses (``verify`` for T > 1) with its LM head 
 Under the profiler exactly one step runs between cuProfilerStart and cuProfilerStop, so every
 kernel launch of that step, and nothing else, is listed with its duration. The gap between
 the sum of kernel durations and the wall-clock step is time the GPU was not running any
-kernel of ours: launch latency and host work.
+kernel of ours: launch latency and host work. With ``--rows B`` a step is one step of B
+requests decoded together (``engine/batch.py``: their forward, each row's pick and read), after
+prompts of 64 tokens; its files are ``ncu_b{B}.csv``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mtpcli import synthetic
+from mtpcli.engine.batch import Batch
 from mtpcli.engine.sampling import positions
 from mtpcli.models import qwen3_5 as tm
 
@@ -78,6 +83,41 @@ def _setup(t: int, shape: str = "qwen3.8-27b", target=None):
     return step
 
 
+def _setup_rows(rows: int, shape: str = "qwen3.8-27b"):
+    """A warmed-up step of ``rows`` requests decoded together, after prompts of 64 tokens."""
+    target, _ = synthetic.build(shape, bits=4)
+    batch = Batch(target)
+    for i in range(rows):
+        batch.add(mx.random.randint(0, 1000, (64,), key=mx.random.key(i)).tolist(), owner=i,
+                  max_tokens=4096)  # fmt: skip
+
+    def step(sync: bool = True):
+        out = batch.step()
+        ys = [r.y for r in batch.rows]
+        (mx.eval if sync else mx.async_eval)(ys)
+        return out
+
+    for _ in range(5):  # trace, self-check, warm up
+        step()
+    mx.synchronize()
+    return step
+
+
+def wall_rows(rows: list[int], repeats: int, shape: str) -> dict:
+    """ms per batch step (each reads the step before it, as the server's loop does)."""
+    out = {}
+    for b in rows:
+        step, ms = _setup_rows(b, shape), []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            step()
+            ms.append((time.perf_counter() - t0) * 1e3)
+        out[f"b{b}"] = {"median": statistics.median(ms), "min": min(ms), "max": max(ms),
+                        "queued": statistics.median(ms)}  # fmt: skip
+        print(f"B={b}: {out[f'b{b}']}", flush=True)
+    return out
+
+
 def wall(ts: list[int], repeats: int, shape: str) -> dict:
     """ms per step: each step waited for (as an MTP round waits to read its tokens), and
     steps queued back to back (as classic decode queues the next step before reading one)."""
@@ -94,14 +134,14 @@ def wall(ts: list[int], repeats: int, shape: str) -> dict:
             ys = [step(sync=False) for _ in range(repeats)]
             mx.eval(ys)
             queued.append((time.perf_counter() - t0) * 1e3 / repeats)
-        out[t] = {"median": statistics.median(ms), "min": min(ms), "max": max(ms),
-                  "queued": statistics.median(queued)}  # fmt: skip
-        print(f"T={t}: {out[t]}", flush=True)
+        out[f"t{t}"] = {"median": statistics.median(ms), "min": min(ms), "max": max(ms),
+                        "queued": statistics.median(queued)}  # fmt: skip
+        print(f"T={t}: {out[f't{t}']}", flush=True)
     return out
 
 
-def profiled(t: int) -> None:
-    step = _setup(t)
+def profiled(t: int, rows: int = 1) -> None:
+    step = _setup_rows(rows) if rows > 1 else _setup(t)
     cuda = ctypes.CDLL("libcuda.so.1")
     cuda.cuProfilerStart()
     step()
@@ -117,8 +157,8 @@ def kind(name: str) -> str:
 def summarize(directory: Path) -> str:
     walls = json.loads((directory / "wall.json").read_text())
     lines = []
-    for path in sorted(directory.glob("ncu_t*.csv")):
-        t = path.stem.removeprefix("ncu_t")
+    for path in sorted(directory.glob("ncu_*.csv")):
+        t = path.stem.removeprefix("ncu_")  # t1, t3: tokens a step; b32: rows a batch step
         rows = [r for r in csv.DictReader(_csv_lines(path)) if r.get("Metric Name")]
         by_kind: dict[str, list[float]] = {}
         for r in rows:  # gpu__time_duration.sum in ns or us, as ncu labels it
@@ -128,7 +168,7 @@ def summarize(directory: Path) -> str:
         total = sum(sum(v) for v in by_kind.values())
         w = walls["wall_ms"][t]
         lines += [
-            f"T = {t}: wall {w['median']:.2f} ms (min {w['min']:.2f}, max {w['max']:.2f}) a "
+            f"{t.upper()}: wall {w['median']:.2f} ms (min {w['min']:.2f}, max {w['max']:.2f}) a "
             f"step waited for, {w['queued']:.2f} ms a step queued back to back; "
             f"{len(rows)} kernels, {total / 1e3:.2f} ms of GPU time",
             "",
@@ -155,6 +195,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--t", type=int, default=1, help="tokens per step, under the profiler")
     ap.add_argument("--wall", action="store_true", help="time steps of T = 1 and 3, no profiler")
+    ap.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=None,
+        help="batch steps of this many requests (the first, under the profiler)",
+    )
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--shape", default="qwen3.8-27b", choices=sorted(synthetic.SHAPES))
     ap.add_argument("--summarize", type=Path, default=None)
@@ -165,7 +212,11 @@ def main() -> None:
         return
     if args.wall:
         res = {
-            "wall_ms": wall([1, 3], args.repeats, args.shape),
+            "wall_ms": (
+                wall_rows(args.rows, args.repeats, args.shape)
+                if args.rows
+                else wall([1, 3], args.repeats, args.shape)
+            ),  # fmt: skip
             "shape": args.shape,
             "repeats": args.repeats,
             "device": str(mx.device_info().get("device_name", "")),
@@ -175,7 +226,7 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "wall.json").write_text(json.dumps(res, indent=1))
         return
-    profiled(args.t)
+    profiled(args.t, args.rows[0] if args.rows else 1)
 
 
 if __name__ == "__main__":
