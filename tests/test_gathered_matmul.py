@@ -152,18 +152,27 @@ def test_the_shared_expert_is_made_in_the_experts_launches(monkeypatch):
 def test_a_batch_of_requests_through_the_stacked_shared_expert_decodes_each_alone(monkeypatch):
     """Requests decoded together (``engine/batch.py``) through the routed layers on the
     gathered products with the shared expert's slot: each row's tokens are its request's
-    alone."""
+    alone, with more rows than one tile of the product takes (12: the gathered products see
+    12 tokens)."""
     from mtpcli.engine.batch import Batch
 
-    _pretend_gpu(monkeypatch)
+    seen = []
+
+    def gathered(x, w, scales, biases, indices, **kw):
+        seen.append(indices.size // indices.shape[-1])
+        return _gathered_rows(x, w, scales, biases, indices, **kw)
+
+    _pretend_gpu(monkeypatch, gathered)
     target, _ = synthetic.build("tiny-moe", bits=4, options=OURS)
-    prompts = [PROMPT, [5, 9, 2, 200, 17], [3] * 12]
-    want = [list(generate_classic(target, p, max_tokens=10)) for p in prompts]
+    seen.clear()  # (the self-checks' calls)
+    prompts = [PROMPT, [5, 9, 2, 200, 17], [3] * 12] + [[7 + i, 40 + 3 * i] for i in range(9)]
+    want = [list(generate_classic(target, p, max_tokens=6)) for p in prompts]
     batch, got = Batch(target), [[] for _ in prompts]
     for i, p in enumerate(prompts):
-        batch.add(p, owner=i, max_tokens=10)
+        batch.add(p, owner=i, max_tokens=6)
     batch.drain(got)
     assert got == want
+    assert max(seen) == len(prompts)
 
 
 def test_routed_layers_batch_a_verify_through_a_row_invariant_gathered_product(monkeypatch):
