@@ -127,7 +127,7 @@ def test_emulated_kernels_read_the_cache_length_from_their_input(N):
 
 @emulated
 @pytest.mark.parametrize("metal", [False, True], ids=["cuda", "metal"])
-@pytest.mark.parametrize("N,Hq,Hkv,T", [(1, 2, 1, 1), (20, 6, 2, 1), (40, 4, 4, 1), (14, 2, 1, 3)])
+@pytest.mark.parametrize("N,Hq,Hkv,T", [(1, 2, 1, 1), (40, 6, 2, 1), (14, 2, 1, 3)])
 def test_emulated_kernels_match_the_reference(metal, N, Hq, Hkv, T):
     """One split and several (N + 1 = 41 keys: 3), grouped queries, the cache a view; a block
     of 3 positions whose keys cross a split's edge (15, 16, 17 keys: 1, 1, 2 splits)."""
