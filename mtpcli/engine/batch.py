@@ -22,7 +22,25 @@ from ..models import Target
 from ..stats import GenerationStats
 from .classic import read_token, start_classic
 from .prompt_cache import PromptCache
-from .sampling import KeyChain, SamplingParams, pick_checked, readback
+from .sampling import KeyChain, SamplingParams, check_finite, greedy_checked, pick_checked, readback
+
+
+@dataclass
+class Shared:
+    """One greedy step's picks for all its rows: ids [B] and their ``readback`` [2B], read
+    once for every row (row b: ids[b], read[b] and read[B + b])."""
+
+    ids: mx.array  # [B]
+    seen: mx.array  # [2B]
+    _read: list[float] | None = None
+
+    def token(self, b: int, position: int) -> int:
+        """Row b's token, its logits checked to be numbers (``read_token``'s)."""
+        if self._read is None:
+            self._read = self.seen.tolist()
+        rows = len(self._read) // 2
+        check_finite([self._read[rows + b]], position)
+        return int(self._read[b])
 
 
 @dataclass
@@ -34,8 +52,11 @@ class Row:
     sampling: SamplingParams
     eos: frozenset[int]
     keys: KeyChain | None  # seeded sampling: the request's own keys
-    y: mx.array  # the token to feed next (the last one picked) []
-    seen: mx.array  # its ``readback`` [2], read by the next ``step``
+    # The token to feed next (the last one picked) [] and its ``readback`` [2], read by the
+    # next ``step``; or, picked in a greedy step of the whole batch, that step's ``Shared``
+    # and the row's index there.
+    y: mx.array | tuple[Shared, int]
+    seen: mx.array | None
     stats: GenerationStats = field(default_factory=GenerationStats)
     n: int = 0  # tokens emitted
     started: float = 0.0  # when its decoding began (perf_counter)
@@ -57,6 +78,7 @@ class Batch:
         self.target = target
         self.rows: list[Row] = []
         self.cache: list | None = None
+        self._picks: Shared | None = None  # the last step's, while the rows are its rows
 
     def add(
         self,
@@ -89,22 +111,35 @@ class Batch:
         row.started = time.perf_counter()
         self.cache = self.target.join_rows(self.cache, cache)
         self.rows.append(row)
+        self._picks = None
         return row
 
     def step(self) -> list[Emitted]:
         """Queue the next forward of every row, then read each row's pending token: what each
         row gave, in row order. Rows that ended stay until ``drop`` (the caller may have more
-        to do with them)."""
-        ys = mx.stack([r.y for r in self.rows]).reshape(-1, 1)  # [B, 1]
-        logits = self.target.lm_head(self.target.forward(ys, self.cache).hidden)  # [B, 1, V]
-        nxt = []
-        for b, r in enumerate(self.rows):
-            y, lse = pick_checked(logits[b, -1], r.sampling, r.keys.next() if r.keys else None)
-            nxt.append((y, readback(y, lse)))
-        mx.async_eval(nxt)
+        to do with them). Where every row is greedy, the rows' picks are one argmax over the
+        batch's logits [B, V] and one read (each row's the arithmetic it has alone: a verify's
+        positions are picked the same way); else each row picks on its own."""
+        if self._picks is not None:  # the rows are the last step's: its picks, as they are
+            ys = self._picks.ids  # [B]
+        else:
+            ys = mx.stack([_picked(r.y) for r in self.rows])  # [B]
+        logits = self.target.lm_head(self.target.forward(ys.reshape(-1, 1), self.cache).hidden)
+        if all(r.sampling.greedy for r in self.rows):
+            ids, lse = greedy_checked(logits[:, -1])  # [B], [B, 1]
+            picks = Shared(ids, readback(ids, lse))
+            mx.async_eval(picks.seen)
+            nxt = [((picks, b), None) for b in range(len(self.rows))]
+        else:
+            picks, nxt = None, []
+            for b, r in enumerate(self.rows):
+                y, lse = pick_checked(logits[b, -1], r.sampling,
+                                      r.keys.next() if r.keys else None)  # fmt: skip
+                nxt.append((y, readback(y, lse)))
+            mx.async_eval(nxt)
         out = []
         for r, (y, seen) in zip(self.rows, nxt, strict=True):
-            token = read_token(r.seen, r.n)
+            token = read_token(r.seen, r.n) if r.seen is not None else r.y[0].token(r.y[1], r.n)
             if token in r.eos:
                 out.append(Emitted(r, None, True))
                 continue
@@ -112,6 +147,7 @@ class Batch:
             r.stats.emitted(r.n, r.started, time.perf_counter())
             out.append(Emitted(r, token, r.n >= r.max_tokens))
             r.y, r.seen = y, seen
+        self._picks = picks
         return out
 
     def advance(self, tokens) -> list[Emitted]:
@@ -140,3 +176,9 @@ class Batch:
         keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
         self.rows = [self.rows[i] for i in keep]
         self.cache = self.target.keep_rows(self.cache, keep) if keep else None
+        self._picks = None
+
+
+def _picked(y: mx.array | tuple[Shared, int]) -> mx.array:
+    """A row's token to feed next, []."""
+    return y if isinstance(y, mx.array) else y[0].ids[y[1]]
