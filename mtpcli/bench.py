@@ -11,7 +11,9 @@ import math
 import os
 import platform
 import random
+import shutil
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -183,6 +185,7 @@ class Arm:
     # where the gate's chooser ran the rounds: its switches (context, MTP on after) per run
     switches: list[list[tuple[int, bool]]] = field(default_factory=list)
     classic_steps: list[int] = field(default_factory=list)
+    conditions: list[dict] = field(default_factory=list)  # per repeat: ``conditions()``
 
     def summary(self) -> dict:
         out = {
@@ -191,6 +194,9 @@ class Arm:
             "tps": spread(self.tps),
             "peak_memory_gb": self.peak_memory_gb,
         }
+        if self.conditions:
+            out["repeats"] = [{"tps": t, **c} for t, c in zip(self.tps, self.conditions,
+                                                             strict=True)]  # fmt: skip
         if self.switches:
             out |= {"switches": self.switches[-1], "classic_steps": spread(self.classic_steps)}
         if self.block_size and self.acceptance:
@@ -206,6 +212,30 @@ class Arm:
                 "rollback_ms_per_round": spread(self.rollback_ms),
             }
         return out
+
+
+GPU_QUERY = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw",
+             "clocks_event_reasons.active")  # fmt: skip
+
+
+def conditions() -> dict:
+    """What the machine was like as a repeat ended, for runs whose repeats spread: the host's
+    load and, where ``nvidia-smi`` answers, the GPU's clocks (MHz), temperature, power and
+    the active clock-event (throttle) reasons; read after the repeat, so they do not slow it."""
+    out: dict = {"load_1min": round(os.getloadavg()[0], 2)}
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return out
+    try:
+        done = subprocess.run([smi, f"--query-gpu={','.join(GPU_QUERY)}",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                              timeout=5, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return out
+    values = [v.strip() for v in done.stdout.splitlines()[0].split(",")] if done.stdout else []
+    if len(values) == len(GPU_QUERY):
+        out["gpu"] = dict(zip(GPU_QUERY, values, strict=True))
+    return out
 
 
 def run_arm(arm: Arm, generate: Callable[[GenerationStats], list[int]]) -> None:
@@ -308,6 +338,7 @@ def compare(
                             propose=pr, choose_block=c, build_ahead=a)),
                     )  # fmt: skip
             _merge(arm, per_prompt)
+            arm.conditions.append(conditions())
     result = {k: a.summary() for k, a in arms.items()}
     classic_tokens = arms["classic"].tokens[: len(prompts)]
     for key, arm in arms.items():

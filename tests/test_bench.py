@@ -45,6 +45,9 @@ def test_bench_json_on_the_example(capsys, tmp_path, monkeypatch):
     )
     assert 0 < built < verify
     assert doc["machine"]["backend"] == "cpu" and len(doc["machine"]["load_before"]) == 3
+    for arm in doc["arms"].values():  # each repeat's figure beside the machine's state then
+        assert [r["tps"] for r in arm["repeats"]] == [arm["tps"]["median"]]
+        assert arm["repeats"][0]["load_1min"] >= 0
     md = next(tmp_path.glob("bench-*.md")).read_text()
     assert "mtp block 3" in md and "median (min-max)" in md and "of which building" in md
     assert json.loads(next(tmp_path.glob("bench-*.json")).read_text())["settings"]["repeats"] == 1
@@ -54,6 +57,24 @@ def test_bench_json_on_the_example(capsys, tmp_path, monkeypatch):
         assert g["predicted_speedup"] > 0 and g["measured_speedup"] == doc["speedup"][block]
         assert g["gate_engages"] == (g["predicted_speedup"] >= gate.MARGIN)
     assert "predicted" in md
+
+
+def test_conditions_read_the_gpus_state_where_nvidia_smi_answers(tmp_path, monkeypatch):
+    """A repeat's conditions: the host's load, and the GPU's clocks, temperature, power and
+    throttle reasons from ``nvidia-smi`` (a stand-in here); none where it fails or is absent."""
+    from mtpcli.bench import GPU_QUERY, conditions
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '1980, 2619, 41, 312.50, 0x0000000000000000'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    got = conditions()
+    assert got["gpu"] == dict(zip(GPU_QUERY, ["1980", "2619", "41", "312.50",
+                                              "0x0000000000000000"], strict=True))  # fmt: skip
+    smi.write_text("#!/bin/sh\nexit 9\n")
+    assert "gpu" not in conditions() and conditions()["load_1min"] >= 0
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert set(conditions()) == {"load_1min"}
 
 
 def test_simulated_acceptance_controls_acceptance(ckpts, capsys):
