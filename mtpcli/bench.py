@@ -221,21 +221,30 @@ GPU_QUERY = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw",
 def conditions() -> dict:
     """What the machine was like as a repeat ended, for runs whose repeats spread: the host's
     load and, where ``nvidia-smi`` answers, the GPU's clocks (MHz), temperature, power and
-    the active clock-event (throttle) reasons; read after the repeat, so they do not slow it."""
+    the active clock-event (throttle) reasons of the first GPU; read after the repeat, so they
+    do not slow it."""
     out: dict = {"load_1min": round(os.getloadavg()[0], 2)}
     smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return out
+    gpu: dict = {}
+    # the throttle reasons apart: a driver that lacks the field fails the whole query
+    for fields in (GPU_QUERY[:-1], GPU_QUERY[-1:]):
+        values = _first_gpu(smi, fields) if smi else None
+        if values is not None:
+            gpu |= dict(zip(fields, values, strict=True))
+    return out | ({"gpu": gpu} if gpu else {})
+
+
+def _first_gpu(smi: str, fields: tuple[str, ...]) -> list[str] | None:
+    """``fields`` of the first GPU as ``nvidia-smi`` reports them, or None."""
     try:
-        done = subprocess.run([smi, f"--query-gpu={','.join(GPU_QUERY)}",
+        done = subprocess.run([smi, f"--query-gpu={','.join(fields)}",
                                "--format=csv,noheader,nounits"], capture_output=True, text=True,
                               timeout=5, check=True)  # fmt: skip
     except (OSError, subprocess.SubprocessError):
-        return out
-    values = [v.strip() for v in done.stdout.splitlines()[0].split(",")] if done.stdout else []
-    if len(values) == len(GPU_QUERY):
-        out["gpu"] = dict(zip(GPU_QUERY, values, strict=True))
-    return out
+        return None
+    lines = done.stdout.splitlines()
+    values = [v.strip() for v in lines[0].split(",")] if lines else []
+    return values if len(values) == len(fields) else None
 
 
 def run_arm(arm: Arm, generate: Callable[[GenerationStats], list[int]]) -> None:

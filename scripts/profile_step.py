@@ -5,7 +5,7 @@ against the wall-clock time of the same step.
     ncu --profile-from-start off --clock-control none --csv \\
         --metrics gpu__time_duration.sum python scripts/profile_step.py --t 1 > DIR/ncu_t1.csv
     python scripts/profile_step.py --summarize DIR               # the table, from both
-    python scripts/profile_step.py --wall --rows 8 32 --out DIR  # batch steps of 8 and 32 rows
+    python scripts/profile_step.py --wall --rows 8 32 --out DIR  # batch steps (wall_rows.json)
     ncu ... python scripts/profile_step.py --rows 32 > DIR/ncu_b32.csv
 
 The model is the random-weight 27B shape, 4-bit, after a 64-token prompt, with everything
@@ -93,8 +93,7 @@ def _setup_rows(rows: int, shape: str = "qwen3.8-27b"):
 
     def step(sync: bool = True):
         out = batch.step()
-        ys = [r.y for r in batch.rows]
-        (mx.eval if sync else mx.async_eval)(ys)
+        (mx.eval if sync else mx.async_eval)(batch.pending())
         return out
 
     for _ in range(5):  # trace, self-check, warm up
@@ -104,7 +103,8 @@ def _setup_rows(rows: int, shape: str = "qwen3.8-27b"):
 
 
 def wall_rows(rows: list[int], repeats: int, shape: str) -> dict:
-    """ms per batch step (each reads the step before it, as the server's loop does)."""
+    """ms per batch step: each waited for, and steps as the server's loop runs them (a step
+    reads the one before it, so one is always queued)."""
     out = {}
     for b in rows:
         step, ms = _setup_rows(b, shape), []
@@ -112,8 +112,15 @@ def wall_rows(rows: list[int], repeats: int, shape: str) -> dict:
             t0 = time.perf_counter()
             step()
             ms.append((time.perf_counter() - t0) * 1e3)
+        queued = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                step(sync=False)
+            step()
+            queued.append((time.perf_counter() - t0) * 1e3 / (repeats + 1))
         out[f"b{b}"] = {"median": statistics.median(ms), "min": min(ms), "max": max(ms),
-                        "queued": statistics.median(ms)}  # fmt: skip
+                        "queued": statistics.median(queued)}  # fmt: skip
         print(f"B={b}: {out[f'b{b}']}", flush=True)
     return out
 
@@ -140,8 +147,8 @@ def wall(ts: list[int], repeats: int, shape: str) -> dict:
     return out
 
 
-def profiled(t: int, rows: int = 1) -> None:
-    step = _setup_rows(rows) if rows > 1 else _setup(t)
+def profiled(t: int, rows: int | None = None) -> None:
+    step = _setup_rows(rows) if rows else _setup(t)
     cuda = ctypes.CDLL("libcuda.so.1")
     cuda.cuProfilerStart()
     step()
@@ -155,7 +162,10 @@ def kind(name: str) -> str:
 
 
 def summarize(directory: Path) -> str:
-    walls = json.loads((directory / "wall.json").read_text())
+    walls: dict = {}  # steps of T tokens (wall.json) and batch steps (wall_rows.json)
+    for name in ("wall.json", "wall_rows.json"):
+        if (directory / name).exists():
+            walls |= json.loads((directory / name).read_text())["wall_ms"]
     lines = []
     for path in sorted(directory.glob("ncu_*.csv")):
         t = path.stem.removeprefix("ncu_")  # t1, t3: tokens a step; b32: rows a batch step
@@ -166,7 +176,10 @@ def summarize(directory: Path) -> str:
             us = float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]]
             by_kind.setdefault(kind(r["Kernel Name"]), []).append(us)
         total = sum(sum(v) for v in by_kind.values())
-        w = walls["wall_ms"][t]
+        w = walls.get(t)
+        if w is None:
+            lines += [f"{t.upper()}: no wall-clock run beside it (--wall), skipped", ""]
+            continue
         lines += [
             f"{t.upper()}: wall {w['median']:.2f} ms (min {w['min']:.2f}, max {w['max']:.2f}) a "
             f"step waited for, {w['queued']:.2f} ms a step queued back to back; "
@@ -224,9 +237,10 @@ def main() -> None:
             "load_after": os.getloadavg(),
         }
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "wall.json").write_text(json.dumps(res, indent=1))
+        name = "wall_rows.json" if args.rows else "wall.json"
+        (args.out / name).write_text(json.dumps(res, indent=1))
         return
-    profiled(args.t, args.rows[0] if args.rows else 1)
+    profiled(args.t, args.rows[0] if args.rows else None)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ drawing from MLX's global keys instead of its own chain."""
 
 from __future__ import annotations
 
+import warnings
+
 import mlx.core as mx
 import pytest
 
@@ -112,6 +114,36 @@ def test_a_request_past_the_context_is_refused_and_the_batch_goes_on(load):
         with pytest.raises(UsageError, match="outside the target's vocabulary"):
             list(generate_classic(target, bad, max_tokens=4))
     assert len(batch.rows) == 1 and batch.step()[0].token is not None
+
+
+def test_rows_on_our_product_are_capped_where_its_self_check_refused_it(monkeypatch):
+    """On a GPU backend with our products: 32 rows where the product kernel passed its
+    self-check (a row-by-row stand-in), 7 (MLX's products' bound) where it was refused (a
+    stand-in whose rows alone differ from their place among others)."""
+    from mtpcli import kernels, synthetic
+    from mtpcli.kernels import quantized_matmul as qm
+    from mtpcli.kernels.qmm_kernel import MAX_ROWS
+    from mtpcli.options import Options
+
+    def rows(x, w, s, b, *, group_size, bits, **kw):  # each row alone: row-invariant
+        flat = x.reshape(-1, x.shape[-1])
+        opts = {"group_size": group_size, "bits": bits}
+        y = mx.concatenate([qm.quantized_matmul_ops(flat[i : i + 1], w, s, b, **opts)
+                            for i in range(flat.shape[0])])  # fmt: skip
+        return y.reshape(*x.shape[:-1], -1)
+
+    def by_count(x, w, s, b, **kw):  # rows depend on how many share the launch
+        return rows(x, w, s, b, **kw) + (x.size // x.shape[-1] > 1) * 0.5
+
+    for module in (kernels, qm):
+        monkeypatch.setattr(module, "backend", lambda: "cuda")
+    for native, cap in ((rows, MAX_ROWS), (by_count, 7)):
+        monkeypatch.setattr(qm, "launch", native)
+        kernels.reset_verdicts()
+        target, _ = synthetic.build("tiny", bits=4, options=Options(qmm="ours"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the refusal's warning
+            assert target.batch_rows == cap
 
 
 def test_rows_are_capped_where_products_are_not_row_invariant(load, monkeypatch):

@@ -65,12 +65,17 @@ def test_conditions_read_the_gpus_state_where_nvidia_smi_answers(tmp_path, monke
     from mtpcli.bench import GPU_QUERY, conditions
 
     smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\necho '1980, 2619, 41, 312.50, 0x0000000000000000'\n")
+    smi.write_text("#!/bin/sh\ncase $1 in *reasons*) echo 0x0000000000000000;; "
+                   "*) echo '1980, 2619, 41, 312.50';; esac\n")  # fmt: skip
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
     got = conditions()
     assert got["gpu"] == dict(zip(GPU_QUERY, ["1980", "2619", "41", "312.50",
                                               "0x0000000000000000"], strict=True))  # fmt: skip
+    smi.write_text("#!/bin/sh\ncase $1 in *reasons*) exit 6;; *) echo '1980, 2619, 41, 312.50';; "
+                   "esac\n")  # fmt: skip
+    without_reasons = dict(zip(GPU_QUERY[:-1], ["1980", "2619", "41", "312.50"], strict=True))
+    assert conditions()["gpu"] == without_reasons  # a driver that lacks the field
     smi.write_text("#!/bin/sh\nexit 9\n")
     assert "gpu" not in conditions() and conditions()["load_1min"] >= 0
     monkeypatch.setenv("PATH", str(tmp_path / "none"))

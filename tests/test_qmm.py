@@ -101,6 +101,25 @@ def _reference_rows(x, w, scales, biases, **kw):
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def test_a_kernel_whose_later_tiles_drift_is_refused(monkeypatch):
+    """Rows past the first tile of 8 a hair off (within the reference's tolerance, and alike
+    in every launch of more than 8 rows, so every prefix agrees): a request alone would not
+    get the bits it gets in a batch, and the self-check refuses the kernel."""
+
+    def drifting(x, w, scales, biases, **kw):
+        y = _reference_rows(x, w, scales, biases, **kw)
+        if _rows(x) <= qmk.TILE_ROWS:
+            return y
+        scale = mx.where(mx.arange(_rows(x)) >= qmk.TILE_ROWS, 1 + 2**-6, 1.0)[:, None]
+        return (y.astype(mx.float32) * scale).astype(y.dtype)
+
+    _pretend_gpu(monkeypatch, drifting)
+    problem = qm._self_check(mx.bfloat16, mx.bfloat16, 64, 4)
+    assert problem is not None and "alone differs" in problem
+    _pretend_gpu(monkeypatch, _reference_rows)
+    assert qm._self_check(mx.bfloat16, mx.bfloat16, 64, 4) is None
+
+
 def test_a_correct_row_invariant_kernel_is_trusted_and_used(monkeypatch):
     calls = []
 
@@ -198,7 +217,7 @@ def test_linear_add_lets_the_product_add_the_residual(monkeypatch):
     assert mx.array_equal(y, want).item()
     layer.kernel_mode = "ops"  # the reference: MLX's product, then its add
     assert mx.array_equal(ql.linear_add(layer, x[:3].reshape(1, 3, -1), h), want).item()
-    assert len(calls) == 6  # the residual variant's self-check (M = 1, 3, 8, 13, 32), the product
+    assert len(calls) == 9  # the residual variant's self-check (5 counts, 3 rows alone), then it
 
 
 def test_a_residual_kernel_that_drops_the_residual_is_refused(monkeypatch):
@@ -260,7 +279,7 @@ def test_norm_and_swiglu_ride_in_one_launch(monkeypatch):
     nw = _norm_weight()
     y = qm.quantized_matmul(x[:3], w, s, b, group_size=64, bits=4, norm_weight=nw, swiglu=True)
     assert calls[-1]["swiglu"] is True and calls[-1]["norm_weight"] is nw  # one launch
-    assert len(calls) == 6  # the variant's self-check (M = 1, 3, 8, 13, 32), the product
+    assert len(calls) == 9  # the variant's self-check (5 counts, 3 rows alone), then the product
     want = qm.quantized_matmul_ops(x[:3], w, s, b, group_size=64, bits=4, norm_weight=nw,
                                    swiglu=True)  # fmt: skip
     assert y.shape == (3, 20) and mx.array_equal(y, want).item()

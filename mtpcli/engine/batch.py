@@ -114,16 +114,20 @@ class Batch:
         self._picks = None
         return row
 
+    def pending(self) -> mx.array:
+        """The token each row feeds next, [B]: the last step's picks, where the rows are its
+        rows, as they are."""
+        if self._picks is not None:
+            return self._picks.ids
+        return mx.stack([_picked(r.y) for r in self.rows])
+
     def step(self) -> list[Emitted]:
         """Queue the next forward of every row, then read each row's pending token: what each
         row gave, in row order. Rows that ended stay until ``drop`` (the caller may have more
         to do with them). Where every row is greedy, the rows' picks are one argmax over the
         batch's logits [B, V] and one read (each row's the arithmetic it has alone: a verify's
         positions are picked the same way); else each row picks on its own."""
-        if self._picks is not None:  # the rows are the last step's: its picks, as they are
-            ys = self._picks.ids  # [B]
-        else:
-            ys = mx.stack([_picked(r.y) for r in self.rows])  # [B]
+        ys = self.pending()
         logits = self.target.lm_head(self.target.forward(ys.reshape(-1, 1), self.cache).hidden)
         if all(r.sampling.greedy for r in self.rows):
             ids, lse = greedy_checked(logits[:, -1])  # [B], [B, 1]
@@ -138,6 +142,7 @@ class Batch:
                 nxt.append((y, readback(y, lse)))
             mx.async_eval(nxt)
         out = []
+        self._picks = None  # (until every row has read its token: a read may raise)
         for r, (y, seen) in zip(self.rows, nxt, strict=True):
             token = read_token(r.seen, r.n) if r.seen is not None else r.y[0].token(r.y[1], r.n)
             if token in r.eos:

@@ -16,7 +16,7 @@ from mlx_lm.models.activations import swiglu as _swiglu
 
 from . import backend, product_verdict, use_native
 from .qmm_kernel import BITS, GROUP_SIZES, MAX_ROWS, launch_gathered
-from .quantized_matmul import fits, random_quantized
+from .quantized_matmul import ALONE, alone_verdict, fits, random_quantized
 
 
 def gathered_matmul_ops(
@@ -47,8 +47,9 @@ def gathered_matmul_ops(
 def _self_check(dtype, sdtype, group_size: int, bits: int, swiglu: bool,
                 norm_eps: float | None = None) -> str | None:  # fmt: skip
     """Agreement with the reference and row invariance (1, 3, 8 and ``MAX_ROWS`` tokens of 2
-    experts each, of 4, so that experts are shared, by more than 8 tokens at the most) on 40
-    weight rows of K = 1024 (of one variant: swiglu, the norm folded in)."""
+    experts each, of 4, so that experts are shared, by more than 8 tokens at the most; and
+    tokens alone against their place among all) on 40 weight rows of K = 1024 (of one
+    variant: swiglu, the norm folded in)."""
     e, n, k = 4, 40, 1024
     stacked = 2 * e if swiglu else e  # gates, then ups
     parts = [random_quantized(n, k, group_size, bits, sdtype, seed=30 + i)
@@ -64,10 +65,12 @@ def _self_check(dtype, sdtype, group_size: int, bits: int, swiglu: bool,
         got = {m: launch_gathered(x[:m], w, scales, biases, idx[:m], **opts)
                for m in (1, 3, 8, MAX_ROWS)}  # fmt: skip
         want = gathered_matmul_ops(x, w, scales, biases, idx, **opts)
-        mx.eval(got, want)
+        single = {i: launch_gathered(x[i : i + 1], w, scales, biases, idx[i : i + 1], **opts)
+                  for i in ALONE}  # fmt: skip
+        mx.eval(got, want, single)
     except Exception as err:  # noqa: BLE001 - a kernel that fails to build is not trusted
         return f"{type(err).__name__}: {err}"
-    return product_verdict(got, want)
+    return product_verdict(got, want) or alone_verdict(single, got[MAX_ROWS])
 
 
 def supported(x: mx.array, w: mx.array, indices: mx.array, group_size: int, bits: int) -> bool:
@@ -103,7 +106,7 @@ def _trusted(dtype, sdtype, group_size: int, bits: int, swiglu: bool, mode: str,
 def native_ready(dtype, sdtype, k: int, group_size: int, bits: int, swiglu: bool,
                  mode: str, norm_eps: float | None = None) -> bool:  # fmt: skip
     """Whether every product of activations ``dtype``, inputs of width ``k`` and scales
-    ``sdtype`` (of at most 8 tokens; with a norm of ``norm_eps`` folded in) runs natively
+    ``sdtype`` (of at most ``MAX_ROWS`` tokens; with a norm of ``norm_eps`` folded in) runs natively
     here: the layout is covered, the kernel exists and is trusted."""
     return (backend() != "cpu" and bits in BITS and group_size in GROUP_SIZES
             and dtype in (mx.bfloat16, mx.float16) and k % (16 * 32 // bits) == 0
@@ -115,7 +118,7 @@ def gathered_matmul(
     norm_weight: mx.array | None = None, eps: float = 1e-6, mode: str = "auto",
 ) -> mx.array:  # fmt: skip
     """``gathered_matmul_ops`` (same arguments) as one trusted native launch where it runs
-    here (at most 8 tokens), else the norm as its own op and the product on the best path
+    here (at most ``MAX_ROWS`` tokens), else the norm as its own op and the product on the best path
     left."""
     opts = {"group_size": group_size, "bits": bits, "swiglu": swiglu}
     norm = None if norm_weight is None else eps

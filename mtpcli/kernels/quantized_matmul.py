@@ -71,14 +71,46 @@ def _self_check(dtype, sdtype, group_size: int, bits: int, variant: Variant = PL
     def rows(m: int) -> dict:
         return {"residual": r[:m]} if variant.residual else {}
 
+    def alone(i: int) -> mx.array:  # row i as a launch's only row (tile 0, column 0)
+        return launch(x[i : i + 1], w, scales, biases, **opts,
+                      **({"residual": r[i : i + 1]} if variant.residual else {}))  # fmt: skip
+
     try:
         got = {m: launch(x[:m], w, scales, biases, **opts, **rows(m))
                for m in (1, 3, 8, 13, MAX_ROWS)}  # fmt: skip
         want = quantized_matmul_ops(x, w, scales, biases, **opts, **rows(MAX_ROWS))
-        mx.eval(got, want)
+        single = {i: alone(i) for i in ALONE}
+        mx.eval(got, want, single)
     except Exception as e:  # noqa: BLE001 - a kernel that fails to build is not trusted
         return f"{type(e).__name__}: {e}"
-    return product_verdict(got, want)
+    return product_verdict(got, want) or alone_verdict(single, got[MAX_ROWS])
+
+
+# Rows checked alone against their place among MAX_ROWS: a column of each tile but the first.
+ALONE = (5, 13, 31)
+
+
+def alone_verdict(single: dict[int, mx.array], top: mx.array) -> str | None:
+    """None where each row i of ``single`` (a launch of that row alone) equals row i of the
+    launch of all rows ``top`` bitwise (a request alone against its place in a batch)."""
+    for i, a in single.items():
+        if not mx.array_equal(a[0], top[i]).item():
+            return f"row {i} alone differs from row {i} among {top.shape[0]}"
+    return None
+
+
+def native_ready(dtype, sdtype, group_size: int, bits: int, mode: str) -> bool:
+    """Whether the plain product of activations ``dtype`` and scales ``sdtype`` runs natively
+    here for up to ``MAX_ROWS`` rows (its self-check run now, once a process): the products
+    of a batch of that many rows are then row-invariant (the variants fall back to it)."""
+    return (backend() != "cpu" and bits in BITS and group_size in GROUP_SIZES
+            and dtype in (mx.bfloat16, mx.float16)
+            and use_native("quantized_matmul", _key(dtype, sdtype, group_size, bits, None),
+                           lambda: _self_check(dtype, sdtype, group_size, bits), mode))  # fmt: skip
+
+
+def _key(dtype, sdtype, group_size: int, bits: int, norm_eps: float | None) -> tuple:
+    return (backend(), str(dtype), str(sdtype), group_size, bits, norm_eps)
 
 
 def fits(x: mx.array, group_size: int, bits: int) -> bool:
@@ -121,7 +153,7 @@ def _native(
         and fits(norm_weight, (k,), x.dtype)
         and use_native(
             "quantized_matmul" + variant.suffix(),
-            (backend(), str(x.dtype), str(scales.dtype), group_size, bits, variant.norm_eps),
+            _key(x.dtype, scales.dtype, group_size, bits, variant.norm_eps),
             lambda: _self_check(x.dtype, scales.dtype, group_size, bits, variant),
             mode,
         )

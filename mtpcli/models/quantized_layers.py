@@ -13,6 +13,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from ..kernels.gathered_matmul import gathered_matmul, native_ready
 from ..kernels.qmm_kernel import MAX_ROWS
+from ..kernels.quantized_matmul import native_ready as product_ready
 from ..kernels.quantized_matmul import quantized_matmul
 
 
@@ -116,7 +117,7 @@ class FusedProjection(nn.Module):
 
 class FusedExperts:
     """A MoE block's experts (mlx-lm's quantized ``SwitchGLU``) as two gathered products for
-    up to 8 tokens: every selected expert's gate and up with their swiglu in one launch, its
+    up to 32 tokens: every selected expert's gate and up with their swiglu in one launch, its
     down projection in another (``kernels/gathered_matmul.py``), each token's rows the same
     bits whichever tokens share its experts. More tokens (a prefill) run mlx-lm's own module.
 
@@ -198,8 +199,8 @@ class FusedExperts:
         return gathered_matmul(h, d["weight"], d["scales"], d["biases"], indices, **opts)
 
     def takes(self, x: mx.array) -> bool:
-        """Whether a pass over x [..., H] goes through the gathered products (at most 8
-        tokens), where the shared expert's slot is made with the others."""
+        """Whether a pass over x [..., H] goes through the gathered products (at most
+        ``MAX_ROWS`` tokens), where the shared expert's slot is made with the others."""
         return x.size // x.shape[-1] <= MAX_ROWS
 
     def native(self, dtype: mx.Dtype, norm_eps: float | None = None) -> bool:
@@ -215,6 +216,17 @@ class FusedExperts:
             for glu, eps in ((True, norm_eps), (False, None))
         ]  # both checked now: any warning comes at load
         return all(ready)
+
+
+def rows_native(module: nn.Module, dtype: mx.Dtype) -> bool:
+    """Whether every kind of quantized product of ``module`` (its scales' dtype, group size
+    and bits) runs on our kernel here for activations of ``dtype``, trusted (checked now):
+    then up to ``MAX_ROWS`` rows of a product are row-invariant; where one fell back to MLX's
+    product, they are not."""
+    kinds = {(m["scales"].dtype, m.group_size, m.bits) for _, m in module.named_modules()
+             if type(m) in (KernelQuantizedLinear, KernelQuantizedEmbedding)}  # fmt: skip
+    modes = {m.kernel_mode for _, m in module.named_modules() if type(m) in _STOCK}
+    return all(product_ready(dtype, *kind, mode) for kind in kinds for mode in modes)
 
 
 _OURS = {nn.QuantizedLinear: KernelQuantizedLinear, nn.QuantizedEmbedding: KernelQuantizedEmbedding}

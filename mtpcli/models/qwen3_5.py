@@ -48,6 +48,7 @@ from .quantized_layers import (
     KernelQuantizedLinear,
     install,
     linear_add,
+    rows_native,
 )
 from .row_policy import RowPolicy, dense
 
@@ -331,14 +332,16 @@ class Qwen35Target:
     def batch_rows(self) -> int | None:
         """The most requests one step may decode together (``engine/batch.py``) with each
         row's arithmetic the one it has alone; None: any number. MLX's CPU products are
-        row-invariant; on a GPU, our product kernel is for up to ``MAX_ROWS`` rows and MLX's
-        quantized products for up to 7 (docs/design.md), and a layer with a dense or routed
-        product that is not row-invariant there leaves one."""
+        row-invariant; on a GPU, our product kernel is for up to ``MAX_ROWS`` rows (where its
+        self-checks passed for every kind of product the model has) and MLX's quantized
+        products for up to 7 (docs/design.md), and a layer with a dense or routed product that
+        is not row-invariant there leaves one."""
         if kernels.backend() == "cpu":
             return None
         if any(self.unprobed) or self.head_unprobed:
             return 1
-        return MAX_ROWS if self.options.ours else 7
+        ours = self.options.ours and rows_native(self.model, self._activations_dtype())
+        return MAX_ROWS if ours else 7
 
     def _fuse(self) -> tuple[dict, dict, set[int]]:
         """Per layer: the input projections (gated-delta: qkv, z, b, a; attention: q, k, v),
