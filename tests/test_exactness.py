@@ -62,7 +62,9 @@ def test_mtp_equals_classic(load, moe, bits, drafter):
     # meets the predictable drafter's partial acceptances).
     n, blocks = (24, [2, 4, 8]) if drafter == "random" else (48, BLOCKS)
     hist_by_block = {b: [0] * b for b in blocks}
-    for prompt in PROMPTS:
+    # Six of the prompts: the other short ones stand for [10] * 12 (also in the long-generation
+    # test below) and 1..11; the 330-token one crosses the KV cache's growth.
+    for prompt in PROMPTS[:4] + PROMPTS[5:7]:
         want = _classic(loaded, prompt, n)
         assert len(want) == n
         for block in blocks:
