@@ -279,7 +279,7 @@ def generate(
         "--qmm",
         envvar="MTP_QMM",
         help="Quantized matmul: auto (ours on CUDA, where it measured faster; MLX's elsewhere)"
-        " | mlx (MLX's own) | ours (one weight read for 1-8 rows).",
+        " | mlx (MLX's own) | ours (one weight read for 1-32 rows).",
     ),  # fmt: skip
 ) -> None:
     """Generate text, with MTP speculative decoding when a drafter is given."""

@@ -19,7 +19,7 @@ SUBMIT_EVERY_GPU = 8
 class Options:
     """``kernels``: ``auto`` (native kernels after a run-time check against the ops
     reference), ``native`` (unchecked) or ``ops`` (the reference only). ``qmm``: the quantized
-    matmul, ``ours`` (one weight read for 1-8 rows, rows exact by construction), ``mlx``
+    matmul, ``ours`` (one weight read for 1-32 rows, rows exact by construction), ``mlx``
     (MLX's own) or ``auto`` (ours on CUDA, where it measured faster end to end; MLX's tuned
     Metal product elsewhere). ``compile``: decode steps and verify blocks run as
     ``mx.compile``d layer functions (a 27B step's graph takes as long to build op by op as the
