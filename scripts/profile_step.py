@@ -102,25 +102,33 @@ def _setup_rows(rows: int, shape: str = "qwen3.8-27b"):
     return step
 
 
+def _timings(step, repeats: int, queued_run) -> dict:
+    """ms a step waited for (median, min, max over ``repeats``) and a step of a queued run
+    (``queued_run()``'s ms a step, median of 3)."""
+    ms = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        ms.append((time.perf_counter() - t0) * 1e3)
+    return {"median": statistics.median(ms), "min": min(ms), "max": max(ms),
+            "queued": statistics.median(queued_run() for _ in range(3))}  # fmt: skip
+
+
 def wall_rows(rows: list[int], repeats: int, shape: str) -> dict:
     """ms per batch step: each waited for, and steps as the server's loop runs them (a step
     reads the one before it, so one is always queued)."""
     out = {}
     for b in rows:
-        step, ms = _setup_rows(b, shape), []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            step()
-            ms.append((time.perf_counter() - t0) * 1e3)
-        queued = []
-        for _ in range(3):
+        step = _setup_rows(b, shape)
+
+        def run(step=step) -> float:
             t0 = time.perf_counter()
             for _ in range(repeats):
                 step(sync=False)
             step()
-            queued.append((time.perf_counter() - t0) * 1e3 / (repeats + 1))
-        out[f"b{b}"] = {"median": statistics.median(ms), "min": min(ms), "max": max(ms),
-                        "queued": statistics.median(queued)}  # fmt: skip
+            return (time.perf_counter() - t0) * 1e3 / (repeats + 1)
+
+        out[f"b{b}"] = _timings(step, repeats, run)
         print(f"B={b}: {out[f'b{b}']}", flush=True)
     return out
 
@@ -130,19 +138,14 @@ def wall(ts: list[int], repeats: int, shape: str) -> dict:
     steps queued back to back (as classic decode queues the next step before reading one)."""
     out = {}
     for t in ts:
-        step, ms = _setup(t, shape), []
-        for _ in range(repeats):
+        step = _setup(t, shape)
+
+        def run(step=step) -> float:
             t0 = time.perf_counter()
-            step()
-            ms.append((time.perf_counter() - t0) * 1e3)
-        queued = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            ys = [step(sync=False) for _ in range(repeats)]
-            mx.eval(ys)
-            queued.append((time.perf_counter() - t0) * 1e3 / repeats)
-        out[f"t{t}"] = {"median": statistics.median(ms), "min": min(ms), "max": max(ms),
-                        "queued": statistics.median(queued)}  # fmt: skip
+            mx.eval([step(sync=False) for _ in range(repeats)])
+            return (time.perf_counter() - t0) * 1e3 / repeats
+
+        out[f"t{t}"] = _timings(step, repeats, run)
         print(f"T={t}: {out[f't{t}']}", flush=True)
     return out
 
