@@ -20,22 +20,23 @@ import mlx.core as mx
 from ..errors import BatchNotSupportedError
 from ..models import Target
 from ..stats import GenerationStats
-from .classic import read_token, start_classic
+from .classic import start_classic
 from .prompt_cache import PromptCache
 from .sampling import KeyChain, SamplingParams, check_finite, greedy_checked, pick_checked, readback
 
 
 @dataclass
-class Shared:
-    """One greedy step's picks for all its rows: ids [B] and their ``readback`` [2B], read
-    once for every row (row b: ids[b], read[b] and read[B + b])."""
+class Picks:
+    """Tokens picked together: ids [n] and their ``readback`` [2n], read once for all of
+    them (pick b: ids[b], read[b] and read[n + b]). A greedy step's are every row's; a
+    sampled row's, and a joining row's first token, its own (n = 1)."""
 
-    ids: mx.array  # [B]
-    seen: mx.array  # [2B]
+    ids: mx.array  # [n]
+    seen: mx.array  # [2n]
     _read: list[float] | None = None
 
     def token(self, b: int, position: int) -> int:
-        """Row b's token, its logits checked to be numbers (``read_token``'s)."""
+        """Pick b's token, its logits checked to be numbers (``classic.read_token``'s)."""
         if self._read is None:
             self._read = self.seen.tolist()
         rows = len(self._read) // 2
@@ -52,11 +53,10 @@ class Row:
     sampling: SamplingParams
     eos: frozenset[int]
     keys: KeyChain | None  # seeded sampling: the request's own keys
-    # The token to feed next (the last one picked) [] and its ``readback`` [2], read by the
-    # next ``step``; or, picked in a greedy step of the whole batch, that step's ``Shared``
-    # and the row's index there.
-    y: mx.array | tuple[Shared, int]
-    seen: mx.array | None
+    # The token to feed next (the last one picked): ``picks.ids[slot]``, read by the next
+    # ``step``.
+    picks: Picks
+    slot: int
     stats: GenerationStats = field(default_factory=GenerationStats)
     n: int = 0  # tokens emitted
     started: float = 0.0  # when its decoding began (perf_counter)
@@ -78,7 +78,7 @@ class Batch:
         self.target = target
         self.rows: list[Row] = []
         self.cache: list | None = None
-        self._picks: Shared | None = None  # the last step's, while the rows are its rows
+        self._picks: Picks | None = None  # the last step's, while the rows are its rows
 
     def add(
         self,
@@ -107,7 +107,8 @@ class Batch:
         cache, y, seen = start_classic(self.target, prompt, max_tokens, sampling, stats,
                                        on_prefill, prompt_cache, boundaries,
                                        keys.next() if keys else None)  # fmt: skip
-        row = Row(owner, max_tokens, sampling, frozenset(eos_ids), keys, y, seen, stats)
+        row = Row(owner, max_tokens, sampling, frozenset(eos_ids), keys,
+                  Picks(y.reshape(1), seen), 0, stats)  # fmt: skip
         row.started = time.perf_counter()
         self.cache = self.target.join_rows(self.cache, cache)
         self.rows.append(row)
@@ -119,7 +120,7 @@ class Batch:
         rows, as they are."""
         if self._picks is not None:
             return self._picks.ids
-        return mx.stack([_picked(r.y) for r in self.rows])
+        return mx.stack([r.picks.ids[r.slot] for r in self.rows])
 
     def step(self) -> list[Emitted]:
         """Queue the next forward of every row, then read each row's pending token: what each
@@ -131,27 +132,26 @@ class Batch:
         logits = self.target.lm_head(self.target.forward(ys.reshape(-1, 1), self.cache).hidden)
         if all(r.sampling.greedy for r in self.rows):
             ids, lse = greedy_checked(logits[:, -1])  # [B], [B, 1]
-            picks = Shared(ids, readback(ids, lse))
-            mx.async_eval(picks.seen)
-            nxt = [((picks, b), None) for b in range(len(self.rows))]
+            picks = Picks(ids, readback(ids, lse))
+            nxt = [(picks, b) for b in range(len(self.rows))]
         else:
             picks, nxt = None, []
             for b, r in enumerate(self.rows):
                 y, lse = pick_checked(logits[b, -1], r.sampling,
                                       r.keys.next() if r.keys else None)  # fmt: skip
-                nxt.append((y, readback(y, lse)))
-            mx.async_eval(nxt)
+                nxt.append((Picks(y.reshape(1), readback(y, lse)), 0))  # [1], [2]
+        mx.async_eval([p.seen for p, _ in nxt])
         out = []
         self._picks = None  # (until every row has read its token: a read may raise)
-        for r, (y, seen) in zip(self.rows, nxt, strict=True):
-            token = read_token(r.seen, r.n) if r.seen is not None else r.y[0].token(r.y[1], r.n)
+        for r, (p, slot) in zip(self.rows, nxt, strict=True):
+            token = r.picks.token(r.slot, r.n)
             if token in r.eos:
                 out.append(Emitted(r, None, True))
                 continue
             r.n += 1
             r.stats.emitted(r.n, r.started, time.perf_counter())
             out.append(Emitted(r, token, r.n >= r.max_tokens))
-            r.y, r.seen = y, seen
+            r.picks, r.slot = p, slot
         self._picks = picks
         return out
 
@@ -182,8 +182,3 @@ class Batch:
         self.rows = [self.rows[i] for i in keep]
         self.cache = self.target.keep_rows(self.cache, keep) if keep else None
         self._picks = None
-
-
-def _picked(y: mx.array | tuple[Shared, int]) -> mx.array:
-    """A row's token to feed next, []."""
-    return y if isinstance(y, mx.array) else y[0].ids[y[1]]
