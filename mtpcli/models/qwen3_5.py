@@ -235,17 +235,16 @@ def _shared(fused: FusedProjection, down: nn.Module) -> Callable:
 
 
 def _moe(block: nn.Module, experts: FusedExperts, shared: Callable, router: Callable,
-         mode: str) -> Callable:  # fmt: skip
+         mode: str, folded: bool) -> Callable:  # fmt: skip
     """(h, norm) -> h + mlx-lm's sparse MoE block of norm(h): ``router`` gives the router's
     logits and the shared expert's gate logit side by side [..., E + 1]; the routing (softmax,
     top-k, scores) and the combination (weighted sum, gated shared expert, residual) are a
     launch each where their kernels run (kernels/moe_route.py), the selected experts go
-    through ``experts``, the shared expert through ``shared``. Where the shared expert is
-    stacked with the experts and the router is one product, the norm rides in the router's
-    and the experts' gate and up products (each normalises h itself): a MoE block is five
+    through ``experts``, the shared expert through ``shared``. ``folded`` (the shared expert
+    stacked with the experts, the router one product): the norm rides in the router's and
+    the experts' gate and up products (each normalises h itself), and a MoE block is five
     launches, router, routing, two gathered products, combination."""
     n, k, normalize = block.num_experts, block.top_k, block.norm_topk_prob
-    folded = experts.shared and isinstance(router, FusedProjection)
 
     def run(h: mx.array, norm: nn.Module) -> mx.array:
         if folded and experts.takes(h):  # the shared expert as slot k, expert E
@@ -382,9 +381,8 @@ class Qwen35Target:
                     shared = _shared(fused, se.down_proj)
                 if FusedProjection.fusable(gates):
                     router = FusedProjection(gates, mode=self.mode)
-                fused_mlp[i] = _moe(mlp, experts, shared, router, self.mode)
-                # folded (see ``_moe``): the experts' gate and up product takes the norm
-                folded = stack and isinstance(router, FusedProjection)
+                folded = stack and isinstance(router, FusedProjection)  # (see ``_moe``)
+                fused_mlp[i] = _moe(mlp, experts, shared, router, self.mode, folded)
                 eps = layer.post_attention_layernorm.eps if folded else None
                 if (all(type(m) is KernelQuantizedLinear for m in ours)
                         and FusedProjection.fusable(gates) and experts.native(dtype, eps)
