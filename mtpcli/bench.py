@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from .engine.classic import generate_classic
 from .engine.mtp import draft, generate_mtp
+from .engine.mtp_batch import draft_rows
 from .errors import PromptError, UsageError
 from .files import read_bounded
 from .kernels import backend as kernel_backend
@@ -164,6 +165,25 @@ def simulated_drafts(reference: list[int], p: float, seed: int):
         drafts, q = draft(drafter, target, catch, cache, k, s, position)
         j = mx.minimum(position + 1 + mx.arange(k), n)  # [k]: the drafts' output positions
         return mx.where(swap[j], own[j].astype(drafts.dtype), drafts), q
+
+    return propose
+
+
+def simulated_row_drafts(references: list[list[int]], p: float, seed: int):
+    """``simulated_drafts`` for a batch's rounds (``engine/mtp_batch.draft_rows``'s signature):
+    row b's draft for output position j is swapped for ``references[b][j]`` with probability
+    p, as decided by (seed, b, j) alone."""
+
+    def propose(drafter, target, cache, h, k, positions):
+        drafts = draft_rows(drafter, target, cache, h, k)  # [B, k]
+        swap, own = [], []
+        for b, at in enumerate(positions):
+            ref = references[b]
+            js = [at + 1 + i for i in range(k)]
+            swap.append([j < len(ref) and random.Random((seed * 1_000_003 + b) * 1_000_003 + j)
+                         .random() < p for j in js])  # fmt: skip
+            own.append([ref[j] if j < len(ref) else 0 for j in js])
+        return mx.where(mx.array(swap), mx.array(own, mx.uint32).astype(drafts.dtype), drafts)
 
     return propose
 

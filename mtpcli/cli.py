@@ -392,9 +392,9 @@ def serve(
         "--max-batch",
         min=1,
         max=64,
-        help="Requests that decode together, in classic steps, each joining and leaving "
-        "between steps (1: one at a time, with MTP where the gate engages it). Tokens are "
-        "those each request decodes alone.",
+        help="Requests that decode together, each joining and leaving between steps: in "
+        "classic steps, or in MTP rounds with --draft-kind mtp (1: one at a time, with MTP "
+        "where the gate engages it). Tokens are those each request decodes alone.",
     ),  # fmt: skip
 ) -> None:
     """Serve the target over an OpenAI-compatible HTTP API.
@@ -411,10 +411,9 @@ def serve(
     if split and max_batch > 1:
         raise PipelineError("--max-batch above 1 runs in one process: under mlx.launch the "
                             "ranks decode one request at a time")  # fmt: skip
-    if max_batch > 1 and (draft_kind == "mtp" or draft_block_size is not None):
-        raise UsageError("--max-batch above 1 decodes classic steps; MTP rounds (--draft-kind "
-                         "mtp, --draft-block-size) run one request at a time: choose "
-                         "one")  # fmt: skip
+    if max_batch > 1 and draft_block_size is not None and draft_kind != "mtp":
+        raise UsageError("--max-batch above 1 decodes classic steps unless MTP is forced: give "
+                         "--draft-kind mtp with --draft-block-size")  # fmt: skip
     if not split or rank() == 0:  # in a pipeline rank 0 serves HTTP, the others follow it
         check_port(host, port)  # before minutes of loading
     loaded = _load(model, draft_model, draft_kind, draft_block_size, draft_quantize,

@@ -3,7 +3,8 @@
 ``/v1/chat/completions`` and ``/v1/completions`` (streamed as server-sent events or not),
 ``/v1/models`` and ``/health``. Each request goes through ``generation.generate``: the same
 prompt encoding, gate, engines and exactness as the CLI. One request decodes at a time (or,
-with ``--max-batch``, up to that many together in classic steps, ``engine/batch.py``), on the
+with ``--max-batch``, up to that many together: in classic steps, ``engine/batch.py``, or with
+MTP forced in MTP rounds, ``engine/mtp_batch.py``), on the
 main thread (MLX's work stays on one thread); the others wait in a queue, and the HTTP side
 (Starlette on uvicorn, in a thread of its own) only parses, queues and relays. A prompt cache
 (``engine/prompt_cache.py``) lets a request that starts as an earlier one did (a shared system
@@ -27,6 +28,7 @@ from typing import Any
 
 from .engine import check_room
 from .engine.batch import Batch
+from .engine.mtp_batch import MTPBatch
 from .engine.prompt_cache import PromptCache
 from .engine.sampling import SamplingParams
 from .errors import ContextTooLongError, MtpError, SamplingError, ServeError, UsageError
@@ -81,7 +83,9 @@ class Job:
 class Decoder:
     """Decodes queued jobs with a loaded pair (``run`` on the main thread): one at a time
     through ``generate`` (the gate, MTP), or with ``max_batch`` above 1 up to that many at once
-    in classic steps (``engine/batch.py``), each joining and leaving between steps."""
+    in classic steps (``engine/batch.py``), or, MTP forced, in MTP rounds of the block size
+    asked for or the drafter's (``engine/mtp_batch.py``), each joining and leaving between
+    steps."""
 
     def __init__(self, loaded: Loaded, block_size: int | None = None, force_mtp: bool = False,
                  note: Callable[[str], None] = lambda msg: None,
@@ -96,11 +100,18 @@ class Decoder:
         if self.stage is not None:
             prompt_cache_bytes = 0
         self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
+        # MTP rounds of a batch: forced, with a drafter (the gate times one request alone)
+        self.rounds = force_mtp and loaded.drafter is not None and max_batch > 1
+        self.block = block_size or (loaded.drafter.block_size if loaded.drafter else 1)
         cap = loaded.target.batch_rows
+        if cap is not None and self.rounds:
+            cap //= self.block  # each position of a round's block is a row of the products
         if cap is not None and max_batch > cap:
             note(f"--max-batch {max_batch}: this target decodes at most {cap} requests together "
-                 "exactly on this backend" + ("; one at a time" if cap == 1 else ""))  # fmt: skip
-            max_batch = cap
+                 "exactly on this backend" + (f" in rounds of {self.block}" if self.rounds else "")
+                 + ("; one at a time" if cap <= 1 else ""))  # fmt: skip
+            max_batch = max(cap, 1)
+            self.rounds = self.rounds and max_batch > 1
         self.max_batch = max_batch
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.served = 0
@@ -134,10 +145,15 @@ class Decoder:
         """Decode up to ``max_batch`` jobs at once: queued ones join between steps (their prompt
         processed alone meanwhile), each leaves at its end, and a job whose client left is
         dropped at the next step."""
-        batch = Batch(self.loaded.target)
-        reason = (f"off: up to {self.max_batch} requests decode together in classic steps "
-                  "(--max-batch)")  # fmt: skip
-        decision = GateDecision(False, self.block_size or 1, reason, None)
+        if self.rounds:
+            batch = MTPBatch(self.loaded.target, self.loaded.drafter, self.block)
+            reason = (f"forced: up to {self.max_batch} requests decode together in MTP rounds "
+                      f"of {self.block} (--max-batch)")  # fmt: skip
+        else:
+            batch = Batch(self.loaded.target)
+            reason = (f"off: up to {self.max_batch} requests decode together in classic steps "
+                      "(--max-batch)")  # fmt: skip
+        decision = GateDecision(self.rounds, self.block_size or self.block, reason, None)
         while keep_going() and (batch.rows or not self.stopping):
             while len(batch.rows) < self.max_batch and not self.stopping:
                 try:
@@ -153,7 +169,7 @@ class Decoder:
                 finish, done = None, e.ended
                 if job.cancel.is_set():
                     finish, done = "cancelled", True
-                elif e.token is not None and text.add(e.token):
+                elif any(text.add(t) for t in e.tokens):  # (stops at the first that stops)
                     finish, done = "stop", True
                 if done:
                     ended.append(e.row)
@@ -163,7 +179,7 @@ class Decoder:
             batch.drop(ended)
             self.running = [r.owner[0] for r in batch.rows]
 
-    def _join(self, batch: Batch, job: Job) -> None:
+    def _join(self, batch: Batch | MTPBatch, job: Job) -> None:
         """Start ``job`` in ``batch``, or answer it at once (its client left, a bad request)."""
         if job.cancel.is_set():
             self.cancelled += 1
@@ -399,7 +415,8 @@ class Server:
             "queued": d.jobs.qsize(), "served": d.served, "cancelled": d.cancelled,
             "concurrency": "one request decodes at a time; the others wait in a queue"
             if d.max_batch == 1 else f"up to {d.max_batch} requests decode together in "
-            "classic steps; the others wait in a queue",
+            + (f"MTP rounds of {d.block}" if d.rounds else "classic steps")
+            + "; the others wait in a queue",
             "prompt_cache": _prompt_cache(d.prompt_cache),
         })  # fmt: skip
 

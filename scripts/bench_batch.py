@@ -1,12 +1,18 @@
-"""Time a decode step of a batch of requests (``engine/batch.py``) at several row counts.
+"""Time a decode step of a batch of requests (``engine/batch.py``) at several row counts, and
+with ``--block`` the MTP rounds of such a batch (``engine/mtp_batch.py``).
 
     python scripts/bench_batch.py                                     # the built-in example
     python scripts/bench_batch.py --shape qwen3.8-27b --json out.json # a random 27B, 4-bit
+    python scripts/bench_batch.py --shape qwen3.8-27b --rows 1 4 8 --block 3 \
+        --simulate-acceptance 0.7                                     # and batched MTP rounds
 
 First checks that each row's tokens equal its request decoded alone (``generate_classic``,
-greedy, rows joining at different steps); then, per row count B, times ``--steps`` batched
-steps after a warm-up, ``--repeats`` times, interleaved with classic decoding of one request
-(the one-at-a-time figure): aggregate tok/s and ms a step, median (min-max).
+greedy, rows joining at different steps; with ``--block``, in MTP rounds too); then, per row
+count B, times ``--steps`` batched steps after a warm-up, ``--repeats`` times, interleaved with
+classic decoding of one request (the one-at-a-time figure): aggregate tok/s and ms a step,
+median (min-max). With ``--block``, B requests in MTP rounds decode ``--steps`` tokens each
+(after a warm-up round), their drafts swapped for the classic tokens with probability
+``--simulate-acceptance`` (random weights draft nothing right; ``bench.simulated_row_drafts``).
 """
 
 from __future__ import annotations
@@ -21,17 +27,20 @@ from pathlib import Path
 import mlx.core as mx
 
 from mtpcli import synthetic
+from mtpcli.bench import simulated_row_drafts
 from mtpcli.engine.batch import Batch
 from mtpcli.engine.classic import generate_classic
+from mtpcli.engine.mtp_batch import MTPBatch, draft_rows
 from mtpcli.example import ensure_example
 from mtpcli.loading import load_pair
 
 
-def _target(shape: str | None, bits: int):
+def _pair(shape: str | None, bits: int):
     if shape is None:
-        return load_pair(str(ensure_example()[0])).target, "built-in example"
-    target, _ = synthetic.build(shape, bits=None if bits == 16 else bits)
-    return target, f"synthetic {shape} {bits}-bit (random weights)"
+        loaded = load_pair(*map(str, ensure_example()))
+        return loaded.target, loaded.drafter, "built-in example"
+    target, drafter = synthetic.build(shape, bits=None if bits == 16 else bits)
+    return target, drafter, f"synthetic {shape} {bits}-bit (random weights)"
 
 
 def _prompt(i: int, vocab: int, length: int = 16) -> list[int]:
@@ -51,6 +60,51 @@ def check_exact(target, rows: int, tokens: int) -> bool:
             joined += 1
         batch.advance(got)
     return got == want
+
+
+def references(target, rows: int, tokens: int) -> list[list[int]]:
+    """Each row's classic greedy tokens (a batch's: each row's are its request's alone)."""
+    vocab = target.config.text.vocab_size
+    batch, got = Batch(target), [[] for _ in range(rows)]
+    for i in range(rows):
+        batch.add(_prompt(i, vocab), owner=i, max_tokens=tokens)
+    batch.drain(got)
+    return got
+
+
+def check_exact_rounds(target, drafter, refs: list[list[int]], block: int, p: float) -> bool:
+    """Each request, joining one round apart, decodes its classic tokens in MTP rounds."""
+    vocab, rows, tokens = target.config.text.vocab_size, len(refs), len(refs[0])
+    batch = MTPBatch(target, drafter, block, simulated_row_drafts(refs, p, seed=1))
+    got, joined = [[] for _ in range(rows)], 0
+    while joined < rows or batch.rows:
+        if joined < rows:
+            batch.add(_prompt(joined, vocab), owner=joined, max_tokens=tokens)
+            joined += 1
+        batch.advance(got)
+    return got == refs
+
+
+def time_rounds(target, drafter, refs: list[list[int]], block: int, p: float | None,
+                seed: int) -> tuple[float, int, float]:  # fmt: skip
+    """Seconds for every row to decode the rest of its reference in MTP rounds after one
+    untimed round, the tokens they emitted meanwhile, and the tokens a round emitted a row."""
+    vocab = target.config.text.vocab_size
+    propose = draft_rows if p is None else simulated_row_drafts(refs, p, seed)
+    batch = MTPBatch(target, drafter, block, propose)
+    got = [[] for _ in refs]
+    for i, ref in enumerate(refs):
+        batch.add(_prompt(i, vocab), owner=i, max_tokens=len(ref))
+    batch.advance(got)
+    before, start = sum(map(len, got)), time.perf_counter()
+    rounds = 0
+    while batch.rows:
+        rows = len(batch.rows)
+        batch.advance(got)
+        rounds += rows
+    elapsed = time.perf_counter() - start
+    emitted = sum(map(len, got)) - before
+    return elapsed, emitted, emitted / max(rounds, 1)
 
 
 def time_batch(target, rows: int, steps: int) -> float:
@@ -112,16 +166,33 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--block", type=int, default=None, help="also time MTP rounds of this block")
+    ap.add_argument("--simulate-acceptance", type=float, default=None,
+                    help="swap each draft for the classic token with this probability")  # fmt: skip
     args = ap.parse_args()
-    target, label = _target(args.shape, args.bits)
+    target, drafter, label = _pair(args.shape, args.bits)
     exact = check_exact(target, max(args.rows), 12)
     print(f"{label}: each row's tokens equal its request alone: {exact}")
+    refs = {}
+    if args.block:
+        p = args.simulate_acceptance
+        refs = {b: references(target, b, args.steps + 1) for b in args.rows}
+        exact_rounds = check_exact_rounds(target, drafter, refs[max(args.rows)], args.block,
+                                          0.5 if p is None else p)  # fmt: skip
+        print(f"in MTP rounds of {args.block}, each row's tokens equal its request alone: "
+              f"{exact_rounds}")  # fmt: skip
+        exact = exact and exact_rounds
     load_before = os.getloadavg()
     classic, batched = [], {b: [] for b in args.rows}
-    for _ in range(args.repeats):
+    rounds = {b: [] for b in args.rows}
+    for rep in range(args.repeats):
         classic.append(args.steps / time_classic(target, args.steps))
         for b in args.rows:
             batched[b].append(b * args.steps / time_batch(target, b, args.steps))
+            if args.block:
+                secs, emitted, per_round = time_rounds(target, drafter, refs[b], args.block,
+                                                       args.simulate_acceptance, rep)  # fmt: skip
+                rounds[b].append((emitted / secs, per_round))
     record = {
         "target": label, "backend": str(mx.default_device()), "exact": exact,
         "steps": args.steps, "repeats": args.repeats,
@@ -130,12 +201,25 @@ def main() -> None:
         "load_before": load_before, "load_after": os.getloadavg(),
         "head_product_us": time_product(target, args.rows),
     }  # fmt: skip
+    if args.block:
+        record["mtp_rounds"] = {
+            "block": args.block, "simulated_acceptance": args.simulate_acceptance,
+            "tps": {str(b): _summary([t for t, _ in v]) for b, v in rounds.items()},
+            "tokens_per_round": {str(b): statistics.median(r for _, r in v)
+                                 for b, v in rounds.items()},
+        }  # fmt: skip
     c = record["classic_tps"]
     print(f"classic, one request: {c['median']:.1f} tok/s ({c['min']:.1f}-{c['max']:.1f})")
     for b, s in record["batch_tps"].items():
         print(f"batch of {b}: {s['median']:.1f} tok/s ({s['min']:.1f}-{s['max']:.1f}), "
               f"{s['median'] / c['median']:.2f}x one request, "
               f"{int(b) * 1000 / s['median']:.2f} ms a step")  # fmt: skip
+        if args.block:
+            m = record["mtp_rounds"]["tps"][b]
+            print(f"  in MTP rounds of {args.block}: {m['median']:.1f} tok/s "
+                  f"({m['min']:.1f}-{m['max']:.1f}), {m['median'] / s['median']:.2f}x its "
+                  f"classic steps, {record['mtp_rounds']['tokens_per_round'][b]:.2f} tokens a "
+                  "round a row")  # fmt: skip
     print(
         "4-bit hidden -> vocab product, us by rows:",
         {m: round(us) for m, us in record["head_product_us"].items()},

@@ -1,7 +1,7 @@
 """Concurrent clients against a server: aggregate tokens/s, latency and time to first text at
 1, 4 and 8 clients (``--clients``), ours (``mtp serve``, MTP forced and classic, and requests
-decoded together) and ``mlx_lm.server`` on the built-in example, each started here in turn and
-spoken to by the openai client, streaming.
+decoded together in classic steps and in MTP rounds) and ``mlx_lm.server`` on the built-in
+example, each started here in turn and spoken to by the openai client, streaming.
 
     python scripts/bench_serve.py --requests 3 --max-tokens 64 --json out.json
     python scripts/bench_serve.py --model /root/q27/target --servers ours_classic ours_batched
@@ -134,7 +134,8 @@ def main() -> None:
         "--servers",
         nargs="+",
         default=None,
-        help="which of ours_mtp, ours_classic, ours_batched, mlx_lm (default: all)",
+        help="which of ours_mtp, ours_classic, ours_batched, ours_batched_mtp, mlx_lm "
+        "(default: all)",
     )
     args = ap.parse_args()
     if min(args.requests, args.repeats, args.max_tokens, args.max_batch, *args.clients) < 1:
@@ -143,7 +144,7 @@ def main() -> None:
     target = args.model or ensure_example()[0]
     prompts = example_prompts()
     load = os.getloadavg()
-    p1, p2, p3, p4 = _free_port(), _free_port(), _free_port(), _free_port()
+    p1, p2, p3, p4, p5 = (_free_port() for _ in range(5))
     name = str(target) if args.model else "example"
     ours = [sys.executable, "-m", "mtpcli", "serve", *(["-m", name] if args.model else []),
             "--port"]  # fmt: skip
@@ -152,6 +153,8 @@ def main() -> None:
         "ours_classic": ([*ours, str(p2), "--draft-kind", "none"], p2, name),
         "ours_batched": ([*ours, str(p4), "--draft-kind", "none", "--max-batch",
                           str(args.max_batch)], p4, name),
+        "ours_batched_mtp": ([*ours, str(p5), "--draft-kind", "mtp", "--max-batch",
+                              str(args.max_batch)], p5, name),
         "mlx_lm": ([sys.executable, "-m", "mlx_lm.server", "--model", str(target), "--port",
                     str(p3)], p3, str(target)),
     }  # fmt: skip

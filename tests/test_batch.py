@@ -113,7 +113,7 @@ def test_a_request_past_the_context_is_refused_and_the_batch_goes_on(load):
             batch.add(bad, max_tokens=4)
         with pytest.raises(UsageError, match="outside the target's vocabulary"):
             list(generate_classic(target, bad, max_tokens=4))
-    assert len(batch.rows) == 1 and batch.step()[0].token is not None
+    assert len(batch.rows) == 1 and batch.step()[0].tokens
 
 
 def test_rows_on_our_product_are_capped_where_its_self_check_refused_it(monkeypatch):

@@ -341,7 +341,7 @@ CASES = [
     # Text from users and files is printed as it is, never read as markup.
     Case("markup-in-model-path", ("generate", "-m", "{tmp}/nope[/]", "-p", "hi"), 1, r"nope\[/\] does not exist", "cli._error (markup off)"),  # noqa: E501
     Case("markup-tag-in-model-path", ("generate", "-m", "{tmp}/x[bold]y", "-p", "hi"), 1, r"x\[bold\]y does not exist", "cli._error (markup off)"),  # noqa: E501
-    Case("serve-batch-with-mtp", ("serve", "--max-batch", "2", "--draft-kind", "mtp"), 2, r"--max-batch above 1 decodes classic steps", "cli.serve"),  # noqa: E501
+    Case("serve-batch-block-without-mtp", ("serve", "--max-batch", "2", "--draft-block-size", "3"), 2, r"--max-batch above 1 decodes classic steps unless MTP is forced", "cli.serve"),  # noqa: E501
     Case("markup-in-draft-kind", (*GEN, "--draft-kind", "[/red]"), 2, r"\[/red\]", "cli._error (markup off)"),  # noqa: E501
     Case("markup-in-model-type", GEN, 1, r"\[/\]", "cli._error (markup off)", setup=_model_type("[/]")),  # noqa: E501
     # Where the output goes: a full disk, a file or /proc as bench's directory.

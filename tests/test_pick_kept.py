@@ -40,15 +40,28 @@ def test_reference_picks_the_window_and_state_after_n_keep(n):
         assert np.array_equal(np.array(g), w)
 
 
+@pytest.mark.parametrize("n", [(1, 4), (3, 2), (4, 4), (2, 1)])
+def test_reference_picks_each_rows_own_count(n):
+    """A batch of requests' rollback: row b keeps n[b] positions."""
+    convs, steps, finals = _arrays(4)
+    got = pk.pick_kept_ops(*([mx.array(a) for a in x] for x in (convs, steps, finals)),
+                           mx.array(n, mx.int32), T)  # fmt: skip
+    for c, s, f, window, state in zip(convs, steps, finals, *got, strict=True):
+        for b in range(B):
+            assert np.array_equal(np.array(window)[b], c[b, n[b] : n[b] + W])
+            assert np.array_equal(np.array(state)[b], f[b] if n[b] == T else s[n[b] - 1, b])
+
+
 def _emulate(convs, steps, finals, n, metal=False, states_source=None):
-    keep = {"keep": np.array([n], np.int32)}
+    keep = {"keep": np.array(n if isinstance(n, tuple) else [n], np.int32)}
+    R = keep["keep"].size
     N = finals[0].size
     states = cuda_emulation.run(
         states_source or pk.source("states", LAYERS, metal),
         keep | {f"s{i}": a for i, a in enumerate(steps)}
         | {f"f{i}": a for i, a in enumerate(finals)},
         {f"o{i}": finals[0].shape for i in range(LAYERS)},
-        {"T": T, "N": N},
+        {"T": T, "N": N, "R": R},
         grid=(-(-N // 64) * 64, LAYERS, 1),
         threadgroup=(64, 1, 1),
     )  # fmt: skip
@@ -56,7 +69,7 @@ def _emulate(convs, steps, finals, n, metal=False, states_source=None):
         pk.source("windows", LAYERS, metal),
         keep | {f"c{i}": c for i, c in enumerate(convs)},
         {f"w{i}": (B, W, C) for i in range(LAYERS)},
-        {"T": T, "W": W, "B": B, "C": C},
+        {"T": T, "W": W, "B": B, "C": C, "R": R},
         grid=(-(-(B * W * C) // 64) * 64, LAYERS, 1),
         threadgroup=(64, 1, 1),
     )
@@ -71,6 +84,27 @@ def test_emulated_kernels_copy_what_the_reference_picks(metal):
         want = _want(convs, steps, finals, n)
         for g, w in zip(got[0] + got[1], want[0] + want[1], strict=True):
             assert np.array_equal(g, w)
+
+
+@pytest.mark.parametrize("metal", [False, True], ids=["cuda", "metal"])
+def test_emulated_kernels_pick_each_rows_own_count(metal):
+    convs, steps, finals = _arrays(5)
+    for n in [(1, 4), (3, 2), (4, 4)]:
+        got = _emulate(convs, steps, finals, n, metal)
+        want = pk.pick_kept_ops(*([mx.array(a) for a in x] for x in (convs, steps, finals)),
+                                mx.array(n, mx.int32), T)  # fmt: skip
+        for g, w in zip(got[0] + got[1], want[0] + want[1], strict=True):
+            assert np.array_equal(g, np.array(w))
+
+
+def test_an_emulated_kernel_that_reads_the_first_rows_count_for_all_is_caught():
+    convs, steps, finals = _arrays(6)
+    broken = pk.source("states", LAYERS, False).replace("R == 1 ? 0 :", "true ? 0 :")
+    n = (1, 4)
+    got = _emulate(convs, steps, finals, n, states_source=broken)[1]
+    want = pk.pick_kept_ops(*([mx.array(a) for a in x] for x in (convs, steps, finals)),
+                            mx.array(n, mx.int32), T)[1]  # fmt: skip
+    assert not all(np.array_equal(g, np.array(w)) for g, w in zip(got, want, strict=True))
 
 
 def test_an_emulated_kernel_that_never_takes_the_final_state_is_caught():
@@ -103,8 +137,8 @@ def test_native_pick_equals_the_reference_on_cuda(dtype):
     convs, steps, finals = ([mx.array(a) for a in x] for x in _arrays(3))
     convs = [c.astype(dtype) for c in convs]
     kernels.reset_verdicts()
-    for n in range(1, T + 1):
-        keep = mx.array([n], mx.int32)
+    for n in [[n] for n in range(1, T + 1)] + [[n, T + 1 - n] for n in range(1, T + 1)]:
+        keep = mx.array(n, mx.int32)  # every row's count, then each row's own
         got = pk.pick_kept(convs, steps, finals, keep, T, "native")
         want = pk.pick_kept_ops(convs, steps, finals, keep, T)
         for g, w in zip(got[0] + got[1], want[0] + want[1], strict=True):

@@ -404,6 +404,27 @@ def batched(tmp_path_factory):
 def test_requests_decoding_together_are_answered_exactly(batched, reference):
     """Twelve requests at once through a batch of 4 (joining as others leave, different
     lengths, chat and completions, one with a stop string): each text is ``mtp generate``'s."""
+    _together(batched, reference)
+
+
+def test_requests_in_mtp_rounds_together_are_answered_exactly(tmp_path, reference):
+    """The same through a batch of 4 in MTP rounds (MTP forced): each text is ``mtp
+    generate``'s, and the responses say MTP ran."""
+    proc, base = _start(tmp_path, ("--max-batch", "4", "--draft-kind", "mtp"))
+    try:
+        _together(base, reference)
+        body = {"model": "example", "prompt": PROMPTS[0], "max_tokens": 12}
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json=body)
+        assert r.json()["choices"][0]["text"] == reference(PROMPTS[0], False, 12)["text"]
+        mtp = r.json()["mtp"]
+        assert mtp["engaged"] and mtp["rounds"] > 0 and mtp["acceptance_rate"] > 0
+        assert "MTP rounds" in httpx.get(f"{base}/health").json()["concurrency"]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+
+
+def _together(batched: str, reference) -> None:
     cases = [(PROMPTS[i % 4], i % 2 == 0, 6 + i % 5 * 7) for i in range(12)]
     stop = reference(PROMPTS[1], False, 20)["text"][5:9]
 

@@ -46,6 +46,19 @@ class Drafter(Protocol):
         """A cache to draft on, holding what the ``snapshot`` held."""
         ...
 
+    def join_rows(self, batch: list | None, cache: list) -> list:
+        """The caches of a batch of requests (``engine/mtp_batch.py``) with a request's own
+        filled ``cache`` added as the last row (``batch`` None: a new batch)."""
+        ...
+
+    def keep_rows(self, batch: list, rows: list[int]) -> list:
+        """The batch's caches with only ``rows`` (indices, in order) left."""
+        ...
+
+    def rewind_rows(self, batch: list, dropped: list[int]) -> None:
+        """Drop the last ``dropped[b]`` positions of row b."""
+        ...
+
     def reads_lengths_on_device(self, cache: list, L: int) -> bool:
         """Whether a forward of L tokens reads the cache's length on the device (so ``keep``
         may leave it unread there)."""

@@ -17,13 +17,14 @@ from mlx_lm.models.base import create_attention_mask
 
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..models.kv_cache import RowsKVCache, held
+from ..models.kv_cache import BatchKV, RowsKVCache, held
 from ..models.quantized_layers import install
 from ..models.qwen3_5 import (
     LayerFunctions,
     attention_core,
     attention_post,
     attention_pre,
+    batch_attention,
     residual_mlp,
     rows_rope,
 )
@@ -66,18 +67,23 @@ class Qwen35MTPDrafter:
         return [RowsKVCache() for _ in self.module.layers]
 
     def forward(self, tokens: mx.array, hidden: mx.array, cache: list) -> mx.array:
-        m, fns, L = self.module, self.functions, tokens.shape[1]
-        compiled = fns.begin(L)
+        m, fns, (B, L) = self.module, self.functions, tokens.shape
+        rows = isinstance(cache[0], BatchKV)  # a batch of requests, each on its own rows
+        compiled = fns.begin(L, B)
         h = fns.get(("entry",), lambda: self._entry, compiled)(tokens, hidden)  # [B, L, H]
-        mask = create_attention_mask(h, cache[0])
+        mask = None if rows else create_attention_mask(h, cache[0])
         for i, (layer, c) in enumerate(zip(m.layers, cache, strict=True)):
             q, k, v, gate = fns.get(("pre", i), lambda ly=layer: attention_pre(ly), compiled)(h)
-            o = attention_core(layer.self_attn, q, k, v, gate, mask, c, self.mode)
+            if rows:
+                c.reserve(L)
+                o = batch_attention(layer.self_attn, q, k, v, gate, c, self.mode)
+            else:
+                o = attention_core(layer.self_attn, q, k, v, gate, mask, c, self.mode)
             post = fns.get(
                 ("post", i), lambda ly=layer: attention_post(ly, residual_mlp(ly.mlp)), compiled
             )
             h = post(h, o)
-        fns.end(L)
+        fns.end(L, B)
         return m.norm(h)
 
     def _entry(self, tokens: mx.array, hidden: mx.array) -> mx.array:
@@ -97,6 +103,17 @@ class Qwen35MTPDrafter:
     def settle(self, cache: list, dropped: int, idle: bool) -> None:
         for c in cache:
             c.settle(dropped, idle)
+
+    def join_rows(self, batch: list | None, cache: list) -> list:
+        return [BatchKV.join(None if batch is None else b, c)
+                for b, c in zip(batch or [None] * len(cache), cache, strict=True)]  # fmt: skip
+
+    def keep_rows(self, batch: list, rows: list[int]) -> list:
+        return [b.keep(rows) for b in batch]
+
+    def rewind_rows(self, batch: list, dropped: list[int]) -> None:
+        for b in batch:
+            b.rewind(dropped)
 
     def reads_lengths_on_device(self, cache: list, L: int) -> bool:
         return all(rows_rope(ly.self_attn, c, L) is not None

@@ -64,10 +64,11 @@ class Row:
 
 @dataclass
 class Emitted:
-    """What one step gave a row: its token (None at EOS) and whether the row has ended."""
+    """What one step or round gave a row: its tokens (none at EOS, where a classic step ends
+    it) and whether the row has ended."""
 
-    row: Row
-    token: int | None
+    row: Any  # ``Row``, or ``mtp_batch.MTPRow``
+    tokens: list[int]
     ended: bool
 
 
@@ -146,11 +147,11 @@ class Batch:
         for r, (p, slot) in zip(self.rows, nxt, strict=True):
             token = r.picks.token(r.slot, r.n)
             if token in r.eos:
-                out.append(Emitted(r, None, True))
+                out.append(Emitted(r, [], True))
                 continue
             r.n += 1
             r.stats.emitted(r.n, r.started, time.perf_counter())
-            out.append(Emitted(r, token, r.n >= r.max_tokens))
+            out.append(Emitted(r, [token], r.n >= r.max_tokens))
             r.picks, r.slot = p, slot
         self._picks = picks
         return out
@@ -160,8 +161,7 @@ class Batch:
         ended dropped (for callers that only collect tokens: benches, tests)."""
         out = self.step()
         for e in out:
-            if e.token is not None:
-                tokens[e.row.owner].append(e.token)
+            tokens[e.row.owner].extend(e.tokens)
         self.drop([e.row for e in out if e.ended])
         return out
 

@@ -31,7 +31,7 @@ from .sampling import (
     accept,
     accept_on_device,
     greedy,
-    pick,
+    pick_checked,
     positions,
     probs,
     read_verdict,
@@ -202,6 +202,55 @@ def host_round(target: Target, drafter: Drafter, tcache: list, dcache: list, pen
     return draft_ids[:n_acc] + [nxt], out.hidden[:, : n_acc + 1]
 
 
+@dataclass
+class MTPStart:
+    """A prompt processed for MTP decoding (``start_mtp``)."""
+
+    tcache: list
+    dcache: list  # the drafter's: every position of the prompt but the last
+    pending: int  # the first token, not yet verified or fed
+    unseen: Unseen  # what the drafter reads next: the pending token after the last position
+    ps: PromptStart  # its snapshots wait for their drafter parts (``drafter_parts``)
+    hidden: mx.array  # [1, L - start + 1 or L - start, H]: the target's, from the snapshot on
+
+
+def start_mtp(target: Target, drafter: Drafter, prompt, max_tokens: int,
+              sampling: SamplingParams, stats: GenerationStats,
+              on_prefill: Callable[[int, int], None] | None = None,
+              prompt_cache: PromptCache | None = None, boundaries: Collection[int] = (),
+              key: mx.array | None = None) -> MTPStart:  # fmt: skip
+    """Process the prompt for the target (from the ``prompt_cache``'s longest snapshot with a
+    drafter part, at temperature 0), pick the first token (with ``key`` where sampled), and
+    submit the drafter's part of all positions but the last; the prompt's figures in
+    ``stats``."""
+    tokens = prompt_array(prompt)
+    check_room(target, tokens.shape[1], max_tokens)
+    check_ids(target, tokens)
+    start = time.perf_counter()
+    ids = tokens[0].tolist()
+    # Sampled drafts depend on the drafter's rows, which a resumed catch-up computes in other
+    # chunks than a cold one (bitwise alike on the CPU, not promised on a GPU): greedy only.
+    ps = PromptStart(prompt_cache if sampling.greedy else None, ids, boundaries, mtp=True)
+    if ps.snapshot is None:
+        tcache, dcache = target.make_cache(), drafter.make_cache()
+    else:
+        tcache, dcache = target.restore(ps.snapshot.target), drafter.restore(ps.snapshot.drafter)
+    hidden = target.prefill(tokens, tcache, on_prefill, start=ps.start,
+                            on_cut=lambda p: ps.cut(target, tcache, p),
+                            cuts=ps.boundaries)  # fmt: skip
+    # [1, L - start, H]
+    if ps.snapshot is not None:  # the drafter reads on from the snapshot's last position
+        hidden = mx.concatenate([ps.snapshot.hidden, hidden], axis=1)
+    y, _ = pick_checked(first_logits(target, hidden), sampling, key)
+    pending = int(y.item())
+    unseen = Unseen(ids[max(ps.start, 1) :] + [pending], hidden)
+    # The drafter's part of the prompt, submitted: the first token need not wait for it.
+    unseen.catch_up(drafter, dcache, batch=1)
+    stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
+    stats.prompt_cached = ps.start
+    return MTPStart(tcache, dcache, pending, unseen, ps, hidden)
+
+
 def generate_mtp(
     target: Target,
     drafter: Drafter,
@@ -235,30 +284,11 @@ def generate_mtp(
     stats = stats if stats is not None else GenerationStats()
     stats.mtp = rs = MTPStats(block_size)
     eos = set(eos_ids)
+    p = start_mtp(target, drafter, prompt, max_tokens, sampling, stats, on_prefill, prompt_cache,
+                  boundaries)  # fmt: skip
+    tcache, dcache, pending, unseen, ps, hidden = p.tcache, p.dcache, p.pending, p.unseen, p.ps, \
+        p.hidden  # fmt: skip
     tokens = prompt_array(prompt)
-    check_room(target, tokens.shape[1], max_tokens)
-    check_ids(target, tokens)
-    start = time.perf_counter()
-    ids = tokens[0].tolist()
-    # Sampled drafts depend on the drafter's rows, which a resumed catch-up computes in other
-    # chunks than a cold one (bitwise alike on the CPU, not promised on a GPU): greedy only.
-    ps = PromptStart(prompt_cache if sampling.greedy else None, ids, boundaries, mtp=True)
-    if ps.snapshot is None:
-        tcache, dcache = target.make_cache(), drafter.make_cache()
-    else:
-        tcache, dcache = target.restore(ps.snapshot.target), drafter.restore(ps.snapshot.drafter)
-    hidden = target.prefill(tokens, tcache, on_prefill, start=ps.start,
-                            on_cut=lambda p: ps.cut(target, tcache, p),
-                            cuts=ps.boundaries)  # fmt: skip
-    # [1, L - start, H]
-    if ps.snapshot is not None:  # the drafter reads on from the snapshot's last position
-        hidden = mx.concatenate([ps.snapshot.hidden, hidden], axis=1)
-    pending = int(pick(first_logits(target, hidden), sampling).item())
-    unseen = Unseen(ids[max(ps.start, 1) :] + [pending], hidden)
-    # The drafter's part of the prompt, submitted: the first token need not wait for it.
-    unseen.catch_up(drafter, dcache, batch=1)
-    stats.prompt_tokens, stats.prompt_s = tokens.shape[1], time.perf_counter() - start
-    stats.prompt_cached = ps.start
     start = time.perf_counter()
     emitted, n = [pending], 0
     queued = None  # a classic step already submitted: it feeds ``pending``

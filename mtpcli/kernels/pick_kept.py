@@ -1,6 +1,6 @@
 """A rollback decided on the device: every gated-delta layer's conv window and recurrent state
 after the first ``n_keep`` positions of a verify block, where ``n_keep`` is an int32 [1] array
-the host has not read.
+the host has not read (or [B]: a batch of requests' rows, row b keeping its own count).
 
 A verify keeps, per layer, its conv inputs [B, K-1+T, C] and the state after each position but
 the last [T-1, B, Hv, Dv, Dk] beside the final state. With MLX's ops the pick is two dynamic
@@ -24,11 +24,13 @@ _THREADS = 256
 
 def pick_kept_ops(conv_inputs: list, states: list, finals: list, n_keep: mx.array, block: int):
     """Ops reference. Per layer: conv inputs [B, K-1+T, C], per-step states [T-1, B, Hv, Dv,
-    Dk] (float32), final state [B, Hv, Dv, Dk]; ``n_keep`` int32 [1] in [1, T], T = ``block``.
-    Returns the windows [B, K-1, C] (inputs n_keep .. n_keep+K-2) and the kept states (after
-    position n_keep - 1: the final state where n_keep = T)."""
+    Dk] (float32), final state [B, Hv, Dv, Dk]; ``n_keep`` int32 [1] or [B] (each row's) in
+    [1, T], T = ``block``. Returns the windows [B, K-1, C] (inputs n_keep .. n_keep+K-2) and
+    the kept states (after position n_keep - 1: the final state where n_keep = T)."""
     windows, kept = [], []
     last = mx.minimum(n_keep - 1, block - 2)  # the per-step states stop one short of the block
+    if n_keep.size > 1:
+        return _rows_ops(conv_inputs, states, finals, n_keep, last, block)
     for conv_input, steps, final in zip(conv_inputs, states, finals, strict=True):
         B, _, C = conv_input.shape
         windows.append(mx.slice(conv_input, n_keep, (1,), (B, conv_input.shape[1] - block, C)))
@@ -37,14 +39,29 @@ def pick_kept_ops(conv_inputs: list, states: list, finals: list, n_keep: mx.arra
     return windows, kept
 
 
+def _rows_ops(conv_inputs: list, states: list, finals: list, n_keep: mx.array, last: mx.array,
+              block: int):  # fmt: skip
+    """``pick_kept_ops`` with a count per row: n_keep, last [B]."""
+    windows, kept = [], []
+    B = n_keep.size
+    rows = mx.arange(B)
+    for conv_input, steps, final in zip(conv_inputs, states, finals, strict=True):
+        W = conv_input.shape[1] - block
+        at = n_keep.reshape(B, 1, 1) + mx.arange(W, dtype=n_keep.dtype).reshape(1, W, 1)
+        windows.append(mx.take_along_axis(conv_input, at, axis=1))  # [B, W, C]
+        step = steps[last, rows]  # [B, Hv, Dv, Dk]
+        kept.append(mx.where((n_keep == block).reshape(B, 1, 1, 1), final, step))
+    return windows, kept
+
+
 # One thread per element of a layer's state (x) and one row of threads per layer (y): thread
 # i of layer l copies element i of the state kept. The layer's arrays are picked by a switch,
-# since a kernel's buffers are named one by one.
+# since a kernel's buffers are named one by one. R counts: 1 for every row, else one a row.
 _STATES = """
     const int l = {{LAYER}};
     const size_t i = {{INDEX}};
-    const int kept = keep[0] - 1;
     if (i < N) {
+      const int kept = keep[R == 1 ? 0 : i / (N / R)] - 1;
       DEVICE const float* src = nullptr;
       DEVICE float* dst = nullptr;
       switch (l) {
@@ -70,7 +87,7 @@ _WINDOWS = """
       switch (l) {
 {{CASES}}
       }
-      dst[i] = src[(b * (W + T) + keep[0] + r) * C + c];
+      dst[i] = src[(b * (W + T) + keep[R == 1 ? 0 : b] + r) * C + c];
     }
 """
 _WINDOW_CASE = "        case {l}: src = c{l}; dst = w{l}; break;"
@@ -128,7 +145,7 @@ def pick_kept_native(conv_inputs: list, states: list, finals: list, n_keep: mx.a
         N = finals[group[0]].size
         kept += sk(
             inputs=[n_keep, *(states[i] for i in group), *(finals[i] for i in group)],
-            template=[("T", block), ("N", N)],
+            template=[("T", block), ("N", N), ("R", n_keep.size)],
             grid=(-(-N // _THREADS) * _THREADS, L, 1),
             threadgroup=(_THREADS, 1, 1),
             output_shapes=[shape] * L,
@@ -144,6 +161,7 @@ def pick_kept_native(conv_inputs: list, states: list, finals: list, n_keep: mx.a
                 ("W", W),
                 ("B", B),
                 ("C", C),
+                ("R", n_keep.size),
             ],  # fmt: skip
             grid=(-(-(B * W * C) // _THREADS) * _THREADS, L, 1),
             threadgroup=(_THREADS, 1, 1),
@@ -155,15 +173,16 @@ def pick_kept_native(conv_inputs: list, states: list, finals: list, n_keep: mx.a
 
 def _self_check(layers: int, block: int, dtype) -> str | None:
     """The kernels against the reference on small arrays of the same layer count and block,
-    at every kept count: a copy, so bitwise."""
-    B, W, C, state = 1, 3, 40, (1, 2, 4, 8)
+    at every kept count, for every row and per row: a copy, so bitwise."""
+    B, W, C, state = 2, 3, 40, (2, 2, 4, 8)
     keys = mx.random.split(mx.random.key(77), 3)
     convs = [mx.random.normal((layers, B, W + block, C), key=keys[0]).astype(dtype)[i]
              for i in range(layers)]  # fmt: skip
     steps = [mx.random.normal((layers, block - 1, *state), key=keys[1])[i] for i in range(layers)]
     finals = [mx.random.normal((layers, *state), key=keys[2])[i] for i in range(layers)]
-    for n in range(1, block + 1):
-        keep = mx.array([n], mx.int32)
+    counts = [[n] for n in range(1, block + 1)] + [[n, block + 1 - n] for n in range(1, block + 1)]
+    for n in counts:
+        keep = mx.array(n, mx.int32)
         try:
             got = pick_kept_native(convs, steps, finals, keep, block)
             want = pick_kept_ops(convs, steps, finals, keep, block)

@@ -90,6 +90,11 @@ class Target(Protocol):
         int32 [1] ``n_keep`` decides on the device (then ``settle`` once it is read)."""
         ...
 
+    def rollback_rows(self, cache: list, traces: list, n_keep: list[int], block: int) -> None:
+        """``rollback`` of a batch of requests' caches (``join_rows``): row b keeps the first
+        ``n_keep[b]`` of the block."""
+        ...
+
     def settle(self, cache: list, dropped: int, idle: bool) -> None:
         """The host read a rollback decided on the device: ``dropped`` positions went;
         ``idle``: no forward is in flight."""

@@ -187,6 +187,11 @@ class BatchKV:
         else:
             self.lengths, self._device = [n + T for n in self.lengths], None
 
+    def rewind(self, dropped: list[int]) -> None:
+        """Row b's last ``dropped[b]`` rows go (a round's rollback, a drafter's chain)."""
+        self.lengths = [n - d for n, d in zip(self.lengths, dropped, strict=True)]
+        self._device = None
+
     def row(self, b: int) -> RowsKVCache:
         """Row b as a cache of its own (its rows copied out on write; ``put_rows`` puts them
         back): for the attention paths that go row by row."""

@@ -163,10 +163,20 @@ def batch_attention(m, q, k, v, gate, cache: BatchKV, mode: str = "auto") -> mx.
     if cache.lengths is None:
         raise RuntimeError("a batch's compiled step needs its attention on the native kernels")
     rows = [cache.row(b) for b in range(q.shape[0])]
-    o = mx.concatenate([attention_core(m, *(x[b : b + 1] for x in (q, k, v, gate)), None, r, mode)
+    o = mx.concatenate([_row_attention(m, *(x[b : b + 1] for x in (q, k, v, gate)), r, mode)
                         for b, r in enumerate(rows)], axis=0)  # fmt: skip
     cache.put_rows(rows)
     return o
+
+
+def _row_attention(m, q, k, v, gate, cache: RowsKVCache, mode: str) -> mx.array:
+    """One request's L positions [1, L, ...] on its own cache, as it computes them alone: MLX's
+    causal attention on the CPU (row-invariant there), else position by position."""
+    L = q.shape[1]
+    if L == 1 or mx.default_device() == mx.cpu or rows_rope(m, cache, L) is not None:
+        return attention_core(m, q, k, v, gate, "causal" if L > 1 else None, cache, mode)
+    return mx.concatenate([attention_core(m, *(x[:, t : t + 1] for x in (q, k, v, gate)), None,
+                                          cache, mode) for t in range(L)], axis=1)  # fmt: skip
 
 
 class LayerFunctions:
@@ -640,6 +650,9 @@ class Qwen35Target:
     def rollback(self, cache: list, traces: list, n_keep: int | mx.array, block: int) -> None:
         rollback(cache, traces, n_keep, block, self.mode)
 
+    def rollback_rows(self, cache: list, traces: list, n_keep: list[int], block: int) -> None:
+        rollback_rows(cache, traces, n_keep, block, self.mode)
+
     def settle(self, cache: list, dropped: int, idle: bool) -> None:
         settle(cache, dropped, idle)
 
@@ -728,6 +741,26 @@ def rollback(cache: list, traces: list, n_keep: int | mx.array, block: int,
         else:
             restore_conv(c, trace, n_keep)
             restore_state(c, trace, n_keep)
+
+
+def rollback_rows(cache: list, traces: list, n_keep: list[int], block: int,
+                  mode: str = "auto") -> None:  # fmt: skip
+    """``rollback`` of a batch of requests (``join_rows``): row b keeps the first ``n_keep[b]``
+    of the block: its attention rows cut back on the host, its window and state picked from
+    its own trace (``kernels.pick_kept`` with a count a row: one launch per kind for all
+    layers where the kernels run)."""
+    if all(n == block for n in n_keep):
+        return
+    for c, trace in zip(cache, traces, strict=True):
+        if c is not None and trace is None:  # (None: another pipeline stage's layer)
+            c.rewind([block - n for n in n_keep])
+    linear = [(c, t) for c, t in zip(cache, traces, strict=True) if t is not None]
+    windows, states = pick_kept(
+        [t.conv_input for _, t in linear], [t.states for _, t in linear],
+        [c[1] for c, _ in linear], mx.array(n_keep, mx.int32), block, mode,
+    )  # fmt: skip
+    for (c, _), window, state in zip(linear, windows, states, strict=True):
+        c[0], c[1] = window, state
 
 
 def rollback_on_device(cache: list, traces: list, n_keep: mx.array, block: int,

@@ -1,0 +1,222 @@
+"""Continuous batching of MTP rounds: requests join a running batch between rounds and leave
+it when they end; one round drafts, verifies, accepts and rolls back every row, each row
+accepting its own count.
+
+A greedy row's tokens are those its request decodes alone (which, at temperature 0, are its
+classic tokens): the target verifies each row on its own rows of the caches, the products are
+row-invariant (``models/row_policy.py``), and the rollback is per row (``rollback_rows``). The
+drafts only decide how many tokens a round emits. A sampled row takes part in the rounds as a
+classic step: its drafts are ignored, and its token is drawn from the block's first position
+with the request's own key chain (``KeyChain``), as ``engine/batch.py`` draws it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from ..config import check_block_size
+from ..drafters import Drafter
+from ..errors import BatchNotSupportedError
+from ..models import Target
+from ..stats import GenerationStats, MTPStats
+from .batch import Emitted
+from .mtp import start_mtp
+from .prompt_cache import PromptCache
+from .sampling import KeyChain, SamplingParams, check_finite, greedy, greedy_checked, pick_checked
+
+# A round's drafts: (drafter, target, its caches, the rows' drafter outputs [B, 1, H], k, the
+# output index of each row's pending token) -> drafts [B, k]; benchmarks swap in a wrapper
+# (``bench.simulated_row_drafts``).
+Propose = Callable[[Drafter, Target, list, mx.array, int, list[int]], mx.array]
+
+
+def draft_rows(drafter: Drafter, target: Target, dcache: list, h: mx.array, k: int,
+               positions: list[int] | None = None) -> mx.array:  # fmt: skip
+    """Chain k greedy drafts for every row from the drafter's outputs h [B, 1, H]: [B, k]. The
+    chain is not kept in the drafter's cache. (``positions`` is for wrappers.)"""
+    drafts = []
+    for i in range(k):
+        d = greedy(target.lm_head(h)[:, -1])  # [B]
+        drafts.append(d)
+        if i < k - 1:
+            h = drafter.forward(d.reshape(-1, 1), h, dcache)  # [B, 1, H]
+    drafter.rewind_rows(dcache, [k - 1] * h.shape[0])
+    return mx.stack(drafts, axis=1)  # [B, k]
+
+
+@dataclass
+class MTPRow:
+    """One request in the batch."""
+
+    owner: Any  # the caller's handle for the request
+    max_tokens: int
+    sampling: SamplingParams
+    eos: frozenset[int]
+    keys: KeyChain | None  # seeded sampling: the request's own keys
+    # the prompt's token, emitted with the row's first round (which verifies it first)
+    first: int | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    n: int = 0  # tokens emitted
+    started: float = 0.0  # when its decoding began (perf_counter)
+
+
+class MTPBatch:
+    """The rows decoding together in MTP rounds of ``block_size`` positions, their caches
+    (``Target.join_rows``, ``Drafter.join_rows``), each row's pending token [B] and the
+    drafter's output at it [B, 1, H] (where the row's first draft comes from)."""
+
+    def __init__(self, target: Target, drafter: Drafter, block_size: int,
+                 propose: Propose = draft_rows) -> None:  # fmt: skip
+        check_block_size(block_size)
+        self.target, self.drafter, self.block = target, drafter, block_size
+        self.propose = propose
+        self.rows: list[MTPRow] = []
+        self.tcache: list | None = None
+        self.dcache: list | None = None
+        self.pending: mx.array | None = None  # [B] uint32
+        self.h: mx.array | None = None  # [B, 1, H]
+
+    @property
+    def max_rows(self) -> int | None:
+        """The most requests a round verifies together: every position of every row is a row
+        of the products, whose rows are exact up to the target's ``batch_rows``."""
+        cap = self.target.batch_rows
+        return None if cap is None else cap // self.block
+
+    def add(
+        self,
+        prompt,
+        *,
+        owner: Any = None,
+        max_tokens: int,
+        sampling: SamplingParams = SamplingParams(),
+        seed: int | None = None,
+        eos_ids: Iterable[int] = (),
+        on_prefill: Callable[[int, int], None] | None = None,
+        prompt_cache: PromptCache | None = None,
+        boundaries: Collection[int] = (),
+    ) -> MTPRow:
+        """Process a request's prompt alone (the other rows wait), catch the drafter up on it,
+        and add it as the last row; its first token comes out of the next ``step``."""
+        cap = self.max_rows
+        if cap is not None and len(self.rows) >= cap:
+            raise BatchNotSupportedError(
+                f"this target verifies at most {cap} requests together exactly at block "
+                f"{self.block} on this backend (Target.batch_rows // block); let one leave first"
+            )
+        keys = KeyChain(seed) if seed is not None and not sampling.greedy else None
+        stats = GenerationStats()
+        stats.mtp = MTPStats(self.block)
+        s = start_mtp(self.target, self.drafter, prompt, max_tokens, sampling, stats, on_prefill,
+                      prompt_cache, boundaries, keys.next() if keys else None)  # fmt: skip
+        catch = s.unseen.catch()  # the pending token after the prompt's last position
+        h = self.drafter.forward(catch.tokens[None], catch.hidden, s.dcache)[:, -1:]  # [1, 1, H]
+        if s.ps.taken:  # the prompt's snapshots get their drafter parts
+            s.ps.drafter_parts(self.drafter, s.dcache, s.hidden)
+        mx.eval(h)
+        row = MTPRow(owner, max_tokens, sampling, frozenset(eos_ids), keys, s.pending, stats)
+        row.started = time.perf_counter()
+        self.tcache = self.target.join_rows(self.tcache, s.tcache)
+        self.dcache = self.drafter.join_rows(self.dcache, s.dcache)
+        pending = mx.array([s.pending], mx.uint32)
+        self.pending = pending if self.pending is None else mx.concatenate([self.pending, pending])
+        self.h = h if self.h is None else mx.concatenate([self.h, h])
+        self.rows.append(row)
+        return row
+
+    def step(self) -> list[Emitted]:
+        """One round of every row: draft, verify, accept, roll back, emit; then the drafter
+        catches up on what each row kept. What each row gave, in row order; rows that ended
+        stay until ``drop``."""
+        B, k, T = len(self.rows), self.block - 1, self.block
+        at = [0 if r.first is not None else r.n - 1 for r in self.rows]  # the pending tokens'
+        drafts = self.propose(self.drafter, self.target, self.dcache, self.h, k, at)  # [B, k]
+        block = mx.concatenate([self.pending.reshape(B, 1), drafts.astype(mx.uint32)], axis=1)
+        out = self.target.forward(block, self.tcache, verify=True)  # [B, T, H]
+        logits = self.target.lm_head(out.hidden, exact=True)  # [B, T, V]
+        ids, lse = greedy_checked(logits)  # [B, T], [B, T, 1]
+        agree = (ids[:, :k] == drafts.astype(ids.dtype)).astype(mx.int32)  # [B, k]
+        accepted = mx.cumprod(agree, axis=1).sum(axis=1)  # [B]
+        # one read: the picks, the accepted counts, the sampled rows' tokens, the logsumexps
+        seen = mx.concatenate([ids.reshape(-1), accepted, self._sampled(logits)]).astype(mx.float32)
+        values = mx.concatenate([seen, lse.reshape(-1).astype(mx.float32)]).tolist()
+        picked = [[int(v) for v in values[b * T : (b + 1) * T]] for b in range(B)]
+        n_acc = [int(values[B * T + b]) if r.sampling.greedy else 0
+                 for b, r in enumerate(self.rows)]  # fmt: skip
+        for b, r in enumerate(self.rows):
+            if not r.sampling.greedy:  # a classic step: its own token ends its round
+                picked[b][0] = int(values[B * T + B + b])
+        lse = values[B * (T + 2) :]
+        self.target.rollback_rows(self.tcache, out.traces, [n + 1 for n in n_acc], T)
+        # The drafter reads each row's block up to the token that ends its round.
+        h = self.drafter.forward(mx.array(picked, mx.uint32), out.hidden, self.dcache)  # [B, T, H]
+        self.h = mx.take_along_axis(h, mx.array(n_acc, mx.int32).reshape(B, 1, 1), axis=1)
+        self.drafter.rewind_rows(self.dcache, [k - n for n in n_acc])
+        self.pending = mx.array([p[n] for p, n in zip(picked, n_acc, strict=True)], mx.uint32)
+        mx.async_eval(self.h, self.pending, *self.target.cache_arrays(self.tcache))
+        return [self._emit(r, picked[b][: n_acc[b] + 1], lse[b * T : b * T + n_acc[b] + 1], k)
+                for b, r in enumerate(self.rows)]  # fmt: skip
+
+    def _sampled(self, logits: mx.array) -> mx.array:
+        """Each sampled row's token at the block's first position, drawn with its own key where
+        seeded (a greedy row's entry is an unused 0): [B]."""
+        zero = mx.zeros((), mx.uint32)
+        return mx.stack([zero if r.sampling.greedy else
+                         pick_checked(logits[b, 0], r.sampling, r.keys.next() if r.keys else None
+                                      )[0].astype(mx.uint32)
+                         for b, r in enumerate(self.rows)])  # fmt: skip
+
+    def _emit(self, r: MTPRow, tokens: list[int], lse: list[float], k: int) -> Emitted:
+        """A row's tokens of this round, up to its EOS or its last token."""
+        check_finite(lse, r.n)
+        if r.sampling.greedy:
+            r.stats.mtp.record(k, len(tokens) - 1)
+        out = []
+        if r.first is not None:
+            tokens, r.first = [r.first, *tokens], None
+        for t in tokens:
+            if t in r.eos:
+                return Emitted(r, out, True)
+            out.append(t)
+            r.n += 1
+            r.stats.emitted(r.n, r.started, time.perf_counter())
+            if r.n >= r.max_tokens:
+                return Emitted(r, out, True)
+        return Emitted(r, out, False)
+
+    def advance(self, tokens) -> list[Emitted]:
+        """One ``step``, each row's tokens appended to ``tokens[row.owner]`` and the rows that
+        ended dropped (for callers that only collect tokens: benches, tests)."""
+        out = self.step()
+        for e in out:
+            tokens[e.row.owner].extend(e.tokens)
+        self.drop([e.row for e in out if e.ended])
+        return out
+
+    def drain(self, tokens) -> None:
+        """``advance`` until every row has ended."""
+        while self.rows:
+            self.advance(tokens)
+
+    def drop(self, rows: Iterable[MTPRow]) -> None:
+        """Take ``rows`` out of the batch (ended, or their client left)."""
+        gone = {id(r) for r in rows}
+        if not gone:
+            return
+        for r in self.rows:
+            if id(r) in gone:
+                r.stats.finish(r.started, time.perf_counter(), mx.get_peak_memory())
+        keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.tcache = self.dcache = self.pending = self.h = None
+            return
+        idx = mx.array(keep, mx.int32)
+        self.tcache = self.target.keep_rows(self.tcache, keep)
+        self.dcache = self.drafter.keep_rows(self.dcache, keep)
+        self.pending, self.h = mx.take(self.pending, idx), mx.take(self.h, idx, axis=0)

@@ -1,0 +1,130 @@
+"""Batched MTP rounds (``engine/mtp_batch.py``): every greedy row decodes the tokens its request
+decodes alone in classic steps (the reference, ``generate_classic``), whatever else shares the
+round, joins or leaves, while the rows accept ragged counts; a sampled row decodes what it
+decodes alone with its seed. Mutations show the tests can fail: a rollback that keeps one
+row's count for every row, one that keeps the whole block, rows reordered after a drop."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mtpcli.engine.classic import generate_classic
+from mtpcli.engine.mtp_batch import MTPBatch
+from mtpcli.engine.sampling import SamplingParams
+from mtpcli.errors import BatchNotSupportedError, UsageError
+from mtpcli.models import qwen3_5 as tm
+from mtpcli.models.kv_cache import BatchKV
+
+# (prompt, max_tokens, sampling, seed, round it joins at, round its client leaves at)
+REQUESTS = [
+    ([5, 9, 13, 200, 7], 24, SamplingParams(), None, 0, None),
+    ([250, 2, 2, 2, 2, 2, 2, 11, 12], 20, SamplingParams(temp=1.0), 11, 0, None),
+    ([44] * 23, 30, SamplingParams(), None, 2, None),  # joins mid-way, prompt of another length
+    ([3], 9, SamplingParams(), None, 3, None),  # a one-token prompt; ends early
+    ([17, 18], 40, SamplingParams(), None, 1, 5),  # its client leaves after 5 rounds
+]
+
+
+def _alone(target, prompt, n, sampling, seed) -> list[int]:
+    if seed is not None:
+        mx.random.seed(seed)
+    return list(generate_classic(target, prompt, max_tokens=n, sampling=sampling))
+
+
+def _batched(loaded, requests, block=3, eos=()) -> tuple[dict[int, list[int]], list]:
+    batch = MTPBatch(loaded.target, loaded.drafter, block)
+    got, rounds, rows = {i: [] for i in range(len(requests))}, 0, []
+    pending = sorted(range(len(requests)), key=lambda i: requests[i][4])
+    while pending or batch.rows:
+        while pending and requests[pending[0]][4] <= rounds:
+            i = pending.pop(0)
+            prompt, n, sampling, seed, _, _ = requests[i]
+            rows.append(batch.add(prompt, owner=i, max_tokens=n, sampling=sampling, seed=seed,
+                                  eos_ids=eos))  # fmt: skip
+        if batch.rows:
+            batch.advance(got)
+        rounds += 1
+        batch.drop([r for r in batch.rows if requests[r.owner][5] == rounds])  # clients leaving
+    return got, rows
+
+
+def _check(loaded, requests, got) -> None:
+    for i, (prompt, n, sampling, seed, _, leaves) in enumerate(requests):
+        want = _alone(loaded.target, prompt, n, sampling, seed)
+        if leaves is not None:  # the tokens it decoded before its client left
+            assert 0 < len(got[i]) < len(want)
+            want = want[: len(got[i])]
+        assert got[i] == want, f"request {i}"
+
+
+@pytest.mark.parametrize("moe,bits", [(False, 4), (False, None), (True, 4)],
+                         ids=["dense-4bit", "dense-bf16", "moe-4bit"])  # fmt: skip
+def test_each_row_decodes_what_its_request_decodes_alone(load, moe, bits, monkeypatch):
+    loaded = load(moe=moe, bits=bits)
+    if MTPBatch(loaded.target, loaded.drafter, 3).max_rows == 0:  # a GPU without exact rows
+        pytest.skip("this backend verifies no batch of requests exactly")
+    kept, real = [], tm.rollback_rows
+    monkeypatch.setattr(tm, "rollback_rows", lambda c, t, n_keep, block, mode: (
+        kept.append(list(n_keep)), real(c, t, n_keep, block, mode)))  # fmt: skip
+    got, rows = _batched(loaded, REQUESTS)
+    _check(loaded, REQUESTS, got)
+    # the predictable drafter is right most of the time, not always: ragged rounds
+    assert any(len(set(n)) > 1 for n in kept) and any(max(n) == 3 for n in kept)
+    assert sum(r.stats.mtp.accepted for r in rows) > 0
+
+
+def test_random_drafter_rejects_and_rows_stay_exact(load):
+    loaded = load(bits=4, drafter="random")
+    got, _ = _batched(loaded, REQUESTS[:3], block=4)
+    _check(loaded, REQUESTS[:3], got)
+
+
+def test_a_row_ends_at_eos_mid_round_and_the_others_go_on(load):
+    loaded = load(bits=4)
+    alone = _alone(loaded.target, REQUESTS[0][0], 24, SamplingParams(), None)
+    eos = alone[5]
+    got, _ = _batched(loaded, REQUESTS[:3], eos=(eos,))
+    for i in range(3):
+        prompt, n, sampling, seed, _, _ = REQUESTS[i]
+        want = _alone(loaded.target, prompt, n, sampling, seed)
+        if sampling.greedy and eos in want:
+            want = want[: want.index(eos)]
+        assert got[i] == want if sampling.greedy else len(got[i]) > 0, f"request {i}"
+
+
+def test_rollback_rows_mutations_fail(load, monkeypatch):
+    """A rollback that keeps the first row's count for every row, or the whole block, or rows
+    reordered after one leaves, changes some request's tokens."""
+    loaded = load(bits=4)
+    real_rollback, real_keep = tm.rollback_rows, BatchKV.keep
+
+    def first_rows_count(cache, traces, n_keep, block, mode):
+        real_rollback(cache, traces, [n_keep[0]] * len(n_keep), block, mode)
+
+    def keep_all(cache, traces, n_keep, block, mode):
+        real_rollback(cache, traces, [block] * len(n_keep), block, mode)
+
+    def reversed_keep(self, rows):
+        return real_keep(self, rows[::-1])
+
+    for name, obj, fn in [("rollback_rows", tm, first_rows_count), ("rollback_rows", tm, keep_all),
+                          ("keep", BatchKV, reversed_keep)]:  # fmt: skip
+        with monkeypatch.context() as m:
+            m.setattr(obj, name, fn)
+            got, _ = _batched(loaded, REQUESTS)
+        with pytest.raises(AssertionError):
+            _check(loaded, REQUESTS, got)
+
+
+def test_rows_are_capped_by_exact_product_rows(load, monkeypatch):
+    loaded = load(bits=4)
+    monkeypatch.setattr(type(loaded.target), "batch_rows", property(lambda self: 7))
+    batch = MTPBatch(loaded.target, loaded.drafter, 3)
+    assert batch.max_rows == 2
+    batch.add([5, 6], max_tokens=4)
+    batch.add([5, 7], max_tokens=4)
+    with pytest.raises(BatchNotSupportedError, match="at most 2 requests"):
+        batch.add([5, 8], max_tokens=4)
+    with pytest.raises(UsageError, match="block_size"):
+        MTPBatch(loaded.target, loaded.drafter, 1)
