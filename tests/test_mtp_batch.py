@@ -26,10 +26,16 @@ REQUESTS = [
 ]
 
 
+_ALONE: dict = {}  # (target, request) -> its classic tokens alone
+
+
 def _alone(target, prompt, n, sampling, seed) -> list[int]:
-    if seed is not None:
-        mx.random.seed(seed)
-    return list(generate_classic(target, prompt, max_tokens=n, sampling=sampling))
+    key = (id(target), tuple(prompt), n, sampling, seed)
+    if key not in _ALONE:
+        if seed is not None:
+            mx.random.seed(seed)
+        _ALONE[key] = list(generate_classic(target, prompt, max_tokens=n, sampling=sampling))
+    return _ALONE[key]
 
 
 def _batched(loaded, requests, block=3, eos=()) -> tuple[dict[int, list[int]], list]:
