@@ -134,3 +134,24 @@ def test_rows_are_capped_by_exact_product_rows(load, monkeypatch):
         batch.add([5, 8], max_tokens=4)
     with pytest.raises(UsageError, match="block_size"):
         MTPBatch(loaded.target, loaded.drafter, 1)
+
+
+def test_rows_resumed_from_the_prompt_cache_decode_as_cold_ones(load, monkeypatch):
+    """A request that starts as an earlier one did joins from its snapshot (the drafter's part
+    included, left by a row of a batch) with the tokens of a cold start, beside a cold row."""
+    from mtpcli.engine.prompt_cache import PromptCache
+
+    monkeypatch.setattr(tm, "PREFILL_CHUNK", 16)
+    loaded = load(bits=4)
+    first = [5, 9, 13, 200, 7] * 12 + [3, 4]  # 62 tokens: a cut at 48 and at its end
+    nxt = first + [11, 12, 13]
+    cache = PromptCache(1 << 30)
+    batch, got = MTPBatch(loaded.target, loaded.drafter, 3), {0: [], 1: [], 2: []}
+    batch.add(first, owner=0, max_tokens=12, prompt_cache=cache)
+    batch.drain(got)
+    rows = [batch.add(nxt, owner=1, max_tokens=16, prompt_cache=cache),
+            batch.add([44] * 9, owner=2, max_tokens=16, prompt_cache=cache)]  # fmt: skip
+    batch.drain(got)
+    assert rows[0].stats.prompt_cached == 48 and rows[1].stats.prompt_cached == 0
+    for i, (prompt, n) in enumerate([(first, 12), (nxt, 16), ([44] * 9, 16)]):
+        assert got[i] == _alone(loaded.target, prompt, n, SamplingParams(), None), f"request {i}"
