@@ -138,29 +138,43 @@ class MTPBatch:
         drafts = self.propose(self.drafter, self.target, self.dcache, self.h, k, at)  # [B, k]
         block = mx.concatenate([self.pending.reshape(B, 1), drafts.astype(mx.uint32)], axis=1)
         out = self.target.forward(block, self.tcache, verify=True)  # [B, T, H]
-        logits = self.target.lm_head(out.hidden, exact=True)  # [B, T, V]
-        ids, lse = greedy_checked(logits)  # [B, T], [B, T, 1]
-        agree = (ids[:, :k] == drafts.astype(ids.dtype)).astype(mx.int32)  # [B, k]
-        accepted = mx.cumprod(agree, axis=1).sum(axis=1)  # [B]
-        # one read: the picks, the accepted counts, the sampled rows' tokens, the logsumexps
-        seen = mx.concatenate([ids.reshape(-1), accepted, self._sampled(logits)]).astype(mx.float32)
-        values = mx.concatenate([seen, lse.reshape(-1).astype(mx.float32)]).tolist()
-        picked = [[int(v) for v in values[b * T : (b + 1) * T]] for b in range(B)]
-        n_acc = [int(values[B * T + b]) if r.sampling.greedy else 0
-                 for b, r in enumerate(self.rows)]  # fmt: skip
-        for b, r in enumerate(self.rows):
-            if not r.sampling.greedy:  # a classic step: its own token ends its round
-                picked[b][0] = int(values[B * T + B + b])
-        lse = values[B * (T + 2) :]
+        picked, n_acc, lse = self._accept(self.target.lm_head(out.hidden, exact=True), drafts)
         self.target.rollback_rows(self.tcache, out.traces, [n + 1 for n in n_acc], T)
-        # The drafter reads each row's block up to the token that ends its round.
-        h = self.drafter.forward(mx.array(picked, mx.uint32), out.hidden, self.dcache)  # [B, T, H]
+        self._catch_up(picked, out.hidden, n_acc)
+        return [self._emit(r, picked[b][: n_acc[b] + 1], lse[b][: n_acc[b] + 1], k)
+                for b, r in enumerate(self.rows)]  # fmt: skip
+
+    def _accept(self, logits: mx.array, drafts: mx.array
+                ) -> tuple[list[list[int]], list[int], list[list[float]]]:  # fmt: skip
+        """Each row's verdict from the verify's logits [B, T, V] and the drafts [B, k], read in
+        one transfer: the target's tokens at the T positions (a sampled row's first, its own
+        draw), the drafts accepted (a sampled row's none) and the positions' logsumexps."""
+        B, T = logits.shape[:2]
+        ids, lse = greedy_checked(logits)  # [B, T], [B, T, 1]
+        agree = (ids[:, : T - 1] == drafts.astype(ids.dtype)).astype(mx.int32)  # [B, k]
+        accepted = mx.cumprod(agree, axis=1).sum(axis=1)  # [B]
+        read = [ids.reshape(-1), accepted, self._sampled(logits), lse.reshape(-1)]
+        values = mx.concatenate([a.astype(mx.float32) for a in read]).tolist()
+        picked = [[int(v) for v in values[b * T : (b + 1) * T]] for b in range(B)]
+        n_acc = [0] * B
+        for b, r in enumerate(self.rows):
+            if r.sampling.greedy:
+                n_acc[b] = int(values[B * T + b])
+            else:  # a classic step: its own token ends its round
+                picked[b][0] = int(values[B * T + B + b])
+        lse_at = values[B * (T + 2) :]
+        return picked, n_acc, [lse_at[b * T : (b + 1) * T] for b in range(B)]
+
+    def _catch_up(self, picked: list[list[int]], hidden: mx.array, n_acc: list[int]) -> None:
+        """The drafter reads each row's block [B, T] with the target's hidden states there
+        [B, T, H] up to the token that ends the row's round; its output there is the next
+        round's first draft's, and the token the next verify's first."""
+        B, T = len(picked), self.block
+        h = self.drafter.forward(mx.array(picked, mx.uint32), hidden, self.dcache)  # [B, T, H]
         self.h = mx.take_along_axis(h, mx.array(n_acc, mx.int32).reshape(B, 1, 1), axis=1)
-        self.drafter.rewind_rows(self.dcache, [k - n for n in n_acc])
+        self.drafter.rewind_rows(self.dcache, [T - 1 - n for n in n_acc])
         self.pending = mx.array([p[n] for p, n in zip(picked, n_acc, strict=True)], mx.uint32)
         mx.async_eval(self.h, self.pending, *self.target.cache_arrays(self.tcache))
-        return [self._emit(r, picked[b][: n_acc[b] + 1], lse[b * T : b * T + n_acc[b] + 1], k)
-                for b, r in enumerate(self.rows)]  # fmt: skip
 
     def _sampled(self, logits: mx.array) -> mx.array:
         """Each sampled row's token at the block's first position, drawn with its own key where
