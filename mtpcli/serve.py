@@ -104,8 +104,8 @@ class Decoder:
         self.rounds = force_mtp and loaded.drafter is not None and max_batch > 1
         self.block = block_size or (loaded.drafter.block_size if loaded.drafter else 1)
         cap = loaded.target.batch_rows
-        if cap is not None and self.rounds:
-            cap //= self.block  # each position of a round's block is a row of the products
+        if self.rounds:  # each position of a round's block is a row of the products
+            cap = MTPBatch(loaded.target, loaded.drafter, self.block).max_rows
         if cap is not None and max_batch > cap:
             note(f"--max-batch {max_batch}: this target decodes at most {cap} requests together "
                  "exactly on this backend" + (f" in rounds of {self.block}" if self.rounds else "")
@@ -148,7 +148,8 @@ class Decoder:
         if self.rounds:
             batch = MTPBatch(self.loaded.target, self.loaded.drafter, self.block)
             reason = (f"forced: up to {self.max_batch} requests decode together in MTP rounds "
-                      f"of {self.block} (--max-batch)")  # fmt: skip
+                      f"of {self.block} while the round's rows are few enough to pay "
+                      "(MTPBatch.round_rows), else one token a row (--max-batch)")  # fmt: skip
         else:
             batch = Batch(self.loaded.target)
             reason = (f"off: up to {self.max_batch} requests decode together in classic steps "

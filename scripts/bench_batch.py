@@ -72,10 +72,11 @@ def references(target, rows: int, tokens: int) -> list[list[int]]:
     return got
 
 
-def check_exact_rounds(target, drafter, refs: list[list[int]], block: int, p: float) -> bool:
+def check_exact_rounds(target, drafter, refs: list[list[int]], block: int, p: float,
+                       round_rows: int | None = None) -> bool:  # fmt: skip
     """Each request, joining one round apart, decodes its classic tokens in MTP rounds."""
     vocab, rows, tokens = target.config.text.vocab_size, len(refs), len(refs[0])
-    batch = MTPBatch(target, drafter, block, simulated_row_drafts(refs, p, seed=1))
+    batch = MTPBatch(target, drafter, block, simulated_row_drafts(refs, p, seed=1), round_rows)
     got, joined = [[] for _ in range(rows)], 0
     while joined < rows or batch.rows:
         if joined < rows:
@@ -86,12 +87,12 @@ def check_exact_rounds(target, drafter, refs: list[list[int]], block: int, p: fl
 
 
 def time_rounds(target, drafter, refs: list[list[int]], block: int, p: float | None,
-                seed: int) -> tuple[float, int, float]:  # fmt: skip
+                seed: int, round_rows: int | None = None) -> tuple[float, int, float]:  # fmt: skip
     """Seconds for every row to decode the rest of its reference in MTP rounds after one
-    untimed round, the tokens they emitted meanwhile, and the tokens a round emitted a row."""
+    untimed round, the tokens they emitted meanwhile, and the tokens a step emitted a row."""
     vocab = target.config.text.vocab_size
     propose = draft_rows if p is None else simulated_row_drafts(refs, p, seed)
-    batch = MTPBatch(target, drafter, block, propose)
+    batch = MTPBatch(target, drafter, block, propose, round_rows)
     got = [[] for _ in refs]
     for i, ref in enumerate(refs):
         batch.add(_prompt(i, vocab), owner=i, max_tokens=len(ref))
@@ -167,18 +168,26 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--block", type=int, default=None, help="also time MTP rounds of this block")
-    ap.add_argument("--simulate-acceptance", type=float, default=None,
-                    help="swap each draft for the classic token with this probability")  # fmt: skip
+    ap.add_argument(
+        "--simulate-acceptance",
+        type=float,
+        default=None,
+        help="swap each draft for the classic token with this probability",
+    )
+    ap.add_argument("--round-rows", type=int, default=None,
+                    help="rounds up to this many product rows (default: the target's tile; "
+                         "0: rounds at every row count)")  # fmt: skip
     args = ap.parse_args()
     target, drafter, label = _pair(args.shape, args.bits)
     exact = check_exact(target, max(args.rows), 12)
     print(f"{label}: each row's tokens equal its request alone: {exact}")
     refs = {}
+    round_rows = 1 << 30 if args.round_rows == 0 else args.round_rows
     if args.block:
         p = args.simulate_acceptance
         refs = {b: references(target, b, args.steps + 1) for b in args.rows}
         exact_rounds = check_exact_rounds(target, drafter, refs[max(args.rows)], args.block,
-                                          0.5 if p is None else p)  # fmt: skip
+                                          0.5 if p is None else p, round_rows)  # fmt: skip
         print(f"in MTP rounds of {args.block}, each row's tokens equal its request alone: "
               f"{exact_rounds}")  # fmt: skip
         exact = exact and exact_rounds
@@ -191,7 +200,8 @@ def main() -> None:
             batched[b].append(b * args.steps / time_batch(target, b, args.steps))
             if args.block:
                 secs, emitted, per_round = time_rounds(target, drafter, refs[b], args.block,
-                                                       args.simulate_acceptance, rep)  # fmt: skip
+                                                       args.simulate_acceptance, rep,
+                                                       round_rows)  # fmt: skip
                 rounds[b].append((emitted / secs, per_round))
     record = {
         "target": label, "backend": str(mx.default_device()), "exact": exact,
@@ -204,6 +214,8 @@ def main() -> None:
     if args.block:
         record["mtp_rounds"] = {
             "block": args.block, "simulated_acceptance": args.simulate_acceptance,
+            "round_rows": "every row count" if args.round_rows == 0 else
+            args.round_rows or f"the target's tile ({target.tile_rows})",
             "tps": {str(b): _summary([t for t, _ in v]) for b, v in rounds.items()},
             "tokens_per_round": {str(b): statistics.median(r for _, r in v)
                                  for b, v in rounds.items()},
@@ -219,7 +231,7 @@ def main() -> None:
             print(f"  in MTP rounds of {args.block}: {m['median']:.1f} tok/s "
                   f"({m['min']:.1f}-{m['max']:.1f}), {m['median'] / s['median']:.2f}x its "
                   f"classic steps, {record['mtp_rounds']['tokens_per_round'][b]:.2f} tokens a "
-                  "round a row")  # fmt: skip
+                  "step a row")  # fmt: skip
     print(
         "4-bit hidden -> vocab product, us by rows:",
         {m: round(us) for m, us in record["head_product_us"].items()},

@@ -123,11 +123,34 @@ def test_rollback_rows_mutations_fail(load, monkeypatch):
             _check(loaded, REQUESTS, got)
 
 
+def test_past_round_rows_the_batch_decodes_one_token_a_row_and_stays_exact(load):
+    """Rounds while rows x block fit ``round_rows``: the third request turns the rounds into
+    steps of one position (the drafter kept current), the first to leave turns them back."""
+    loaded = load(bits=4)
+    requests = [([5, 9, 13, 200, 7], 10, SamplingParams(), None, 0, None),
+                ([17, 18], 30, SamplingParams(), None, 0, None),
+                ([44] * 23, 30, SamplingParams(), None, 2, None)]  # fmt: skip
+    batch = MTPBatch(loaded.target, loaded.drafter, 3, round_rows=6)
+    got, rows, kinds = {i: [] for i in range(3)}, [], []
+    for rnd in range(60):
+        for i, (prompt, n, *_rest) in enumerate(requests):
+            if _rest[2] == rnd:
+                rows.append(batch.add(prompt, owner=i, max_tokens=n))
+        if not batch.rows:
+            break
+        kinds.append(batch.rounds())
+        batch.advance(got)
+    _check(loaded, requests, got)
+    assert kinds[:2] == [True, True] and False in kinds and kinds[-1] is True
+    assert all(r.stats.mtp.classic_steps > 0 and r.stats.mtp.rounds > 0 for r in rows[1:])
+
+
 def test_rows_are_capped_by_exact_product_rows(load, monkeypatch):
     loaded = load(bits=4)
     monkeypatch.setattr(type(loaded.target), "batch_rows", property(lambda self: 7))
-    batch = MTPBatch(loaded.target, loaded.drafter, 3)
+    batch = MTPBatch(loaded.target, loaded.drafter, 3, round_rows=100)
     assert batch.max_rows == 2
+    assert MTPBatch(loaded.target, loaded.drafter, 3, round_rows=6).max_rows == 7
     batch.add([5, 6], max_tokens=4)
     batch.add([5, 7], max_tokens=4)
     with pytest.raises(BatchNotSupportedError, match="at most 2 requests"):

@@ -71,10 +71,15 @@ class MTPBatch:
     drafter's output at it [B, 1, H] (where the row's first draft comes from)."""
 
     def __init__(self, target: Target, drafter: Drafter, block_size: int,
-                 propose: Propose = draft_rows) -> None:  # fmt: skip
+                 propose: Propose = draft_rows, round_rows: int | None = None) -> None:  # fmt: skip
+        """``round_rows``: the most product rows (requests x block) a round may verify; past
+        it a step decodes one token a row (a round would cost nearly what its rows do, more
+        than its tokens pay for: docs/design.md). None: the target's ``tile_rows``, or no
+        bound where each row costs a product its own work."""
         check_block_size(block_size)
         self.target, self.drafter, self.block = target, drafter, block_size
         self.propose = propose
+        self.round_rows = round_rows if round_rows is not None else target.tile_rows
         self.rows: list[MTPRow] = []
         self.tcache: list | None = None
         self.dcache: list | None = None
@@ -83,10 +88,13 @@ class MTPBatch:
 
     @property
     def max_rows(self) -> int | None:
-        """The most requests a round verifies together: every position of every row is a row
-        of the products, whose rows are exact up to the target's ``batch_rows``."""
+        """The most requests the batch holds: every position of a round's rows is a row of the
+        products, whose rows are exact up to the target's ``batch_rows``; where rounds stop at
+        ``round_rows`` within that, its steps of one position take up to ``batch_rows``."""
         cap = self.target.batch_rows
-        return None if cap is None else cap // self.block
+        if cap is None or (self.round_rows is not None and self.round_rows <= cap):
+            return cap
+        return cap // self.block
 
     def add(
         self,
@@ -106,8 +114,8 @@ class MTPBatch:
         cap = self.max_rows
         if cap is not None and len(self.rows) >= cap:
             raise BatchNotSupportedError(
-                f"this target verifies at most {cap} requests together exactly at block "
-                f"{self.block} on this backend (Target.batch_rows // block); let one leave first"
+                f"this target decodes at most {cap} requests together exactly at block "
+                f"{self.block} on this backend (MTPBatch.max_rows); let one leave first"
             )
         keys = KeyChain(seed) if seed is not None and not sampling.greedy else None
         stats = GenerationStats()
@@ -129,15 +137,21 @@ class MTPBatch:
         self.rows.append(row)
         return row
 
+    def rounds(self) -> bool:
+        """Whether the next step is a round (else one token a row, the drafter kept current)."""
+        return self.round_rows is None or len(self.rows) * self.block <= self.round_rows
+
     def step(self) -> list[Emitted]:
         """One round of every row: draft, verify, accept, roll back, emit; then the drafter
-        catches up on what each row kept. What each row gave, in row order; rows that ended
-        stay until ``drop``."""
-        B, k, T = len(self.rows), self.block - 1, self.block
+        catches up on what each row kept. Past ``round_rows`` a round of one position (a
+        classic step). What each row gave, in row order; rows that ended stay until ``drop``."""
+        B, T = len(self.rows), self.block if self.rounds() else 1
+        k = T - 1
         at = [0 if r.first is not None else r.n - 1 for r in self.rows]  # the pending tokens'
-        drafts = self.propose(self.drafter, self.target, self.dcache, self.h, k, at)  # [B, k]
+        drafts = (self.propose(self.drafter, self.target, self.dcache, self.h, k, at) if k
+                  else mx.zeros((B, 0), mx.uint32))  # [B, k]  # fmt: skip
         block = mx.concatenate([self.pending.reshape(B, 1), drafts.astype(mx.uint32)], axis=1)
-        out = self.target.forward(block, self.tcache, verify=True)  # [B, T, H]
+        out = self.target.forward(block, self.tcache, verify=T > 1)  # [B, T, H]
         picked, n_acc, lse = self._accept(self.target.lm_head(out.hidden, exact=True), drafts)
         self.target.rollback_rows(self.tcache, out.traces, [n + 1 for n in n_acc], T)
         self._catch_up(picked, out.hidden, n_acc)
@@ -169,7 +183,7 @@ class MTPBatch:
         """The drafter reads each row's block [B, T] with the target's hidden states there
         [B, T, H] up to the token that ends the row's round; its output there is the next
         round's first draft's, and the token the next verify's first."""
-        B, T = len(picked), self.block
+        B, T = len(picked), len(picked[0])
         h = self.drafter.forward(mx.array(picked, mx.uint32), hidden, self.dcache)  # [B, T, H]
         self.h = mx.take_along_axis(h, mx.array(n_acc, mx.int32).reshape(B, 1, 1), axis=1)
         self.drafter.rewind_rows(self.dcache, [T - 1 - n for n in n_acc])
@@ -188,7 +202,9 @@ class MTPBatch:
     def _emit(self, r: MTPRow, tokens: list[int], lse: list[float], k: int) -> Emitted:
         """A row's tokens of this round, up to its EOS or its last token."""
         check_finite(lse, r.n)
-        if r.sampling.greedy:
+        if not k:
+            r.stats.mtp.classic_steps += 1
+        elif r.sampling.greedy:
             r.stats.mtp.record(k, len(tokens) - 1)
         out = []
         if r.first is not None:

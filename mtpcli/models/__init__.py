@@ -77,6 +77,12 @@ class Target(Protocol):
         """The most requests a step may decode together, each row exact as alone (None: any)."""
         ...
 
+    @property
+    def tile_rows(self) -> int | None:
+        """The rows a product shares one read of its weights among; None where each row costs
+        its own work."""
+        ...
+
     def keep_rows(self, batch: list, rows: list[int]) -> list:
         """The batch's caches with only ``rows`` (indices, in order) left."""
         ...

@@ -35,7 +35,7 @@ from ..kernels.decode_attention import (
 from ..kernels.gated_delta import gated_delta_conv
 from ..kernels.gated_norm import gated_norm_in_place
 from ..kernels.pick_kept import pick_kept
-from ..kernels.qmm_kernel import MAX_ROWS
+from ..kernels.qmm_kernel import MAX_ROWS, TILE_ROWS
 from ..layout import gather, stores_w_minus_1
 from ..options import Options
 from ..weights import load_arrays, load_module_weights, read_inventory
@@ -351,6 +351,16 @@ class Qwen35Target:
             return 1
         ours = self.options.ours and rows_native(self.model, self._activations_dtype())
         return MAX_ROWS if ours else 7
+
+    @property
+    def tile_rows(self) -> int | None:
+        """The rows a product shares one read of its weights among (our GPU kernel's tile);
+        None where each row costs a product its own work (MLX's CPU products, and its GPU ones
+        for a few rows): there a batch's rows do not change what a block of positions costs
+        against one position."""
+        if kernels.backend() == "cpu" or not self.options.ours:
+            return None
+        return TILE_ROWS if rows_native(self.model, self._activations_dtype()) else None
 
     def _fuse(self) -> tuple[dict, dict, set[int]]:
         """Per layer: the input projections (gated-delta: qkv, z, b, a; attention: q, k, v),
