@@ -151,9 +151,15 @@ def test_quantized_matmul_variants_fit_four_blocks_per_multiprocessor(tmp_path, 
 @pytest.mark.parametrize("nt", qm.TILES[1:])
 def test_products_of_more_tiles_compile_without_spills(tmp_path, variant, nt):
     """A launch of 9-32 rows (2 or 4 tiles of 8 x rows) holds more accumulators: unbounded
-    (``qm.header``), no variant spills."""
+    (``qm.header``), no variant spills; but the norm + swiglu variant of 4 tiles, bounded to 2
+    blocks a multiprocessor (128 registers), which spills a few bytes (faster measured)."""
     code = _product(variant, BF16, 4, header=qm.header(variant, nt=nt), nt=nt)
     report = _compile(tmp_path, code)
+    used = int(re.search(r"Used (\d+) registers", report).group(1))
+    if variant.norm_eps is not None and variant.swiglu and nt == 4:
+        assert "__launch_bounds__(256, 2)" in code and used <= 128, used
+        assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) <= 16, report
+        return
     assert _no_spills(report), report
     assert "maxntid" not in code and "__launch_bounds__" not in code
 

@@ -565,15 +565,24 @@ def _spec(metal: bool, header: str, variant: Variant = PLAIN) -> dict:
 # (tests/test_cuda_compile.py). The gathered ones spill at 64 and stay unbounded: a MoE
 # layer's expert products are a few hundred blocks, 2-4 a multiprocessor anyway.
 NORM_MIN_BLOCKS = 4
+# Of 4 tiles, the norm + swiglu variant (an MLP's gate and up) takes 139 registers unbounded:
+# one block of 8 warps a multiprocessor. Bounded to 2 blocks it fits 128 with 12 bytes
+# spilled, and the 27B's gate and up at 32 rows took 178 us against 233 on an H100
+# (h100_qmm_tiles_bounds_576274c.json); the other variants hold 2 blocks unbounded.
+WIDE_NORM_SWIGLU_MIN_BLOCKS = {4: 2}
 
 
 def header(variant: Variant, warps: int = WARPS, min_blocks: int | None = None,
            nt: int = 1) -> str:  # fmt: skip
     """The CUDA header a variant's kernel of ``nt`` tiles is built with (``min_blocks``: launch
-    bounds; more tiles hold more accumulators, and are left unbounded)."""
+    bounds; more tiles hold more accumulators, and are left unbounded but for the norm +
+    swiglu variant of 4 tiles)."""
     bounded = (variant.norm_eps is not None or variant.swiglu) and not variant.gathered
     if min_blocks is None and bounded and warps == WARPS and nt == 1:
         min_blocks = NORM_MIN_BLOCKS
+    norm_swiglu = variant.norm_eps is not None and variant.swiglu and not variant.gathered
+    if min_blocks is None and norm_swiglu and warps == WARPS:
+        min_blocks = WIDE_NORM_SWIGLU_MIN_BLOCKS.get(nt)
     gathered = _HEADER_GATHERED if variant.gathered else ""
     return _HEADER_CUDA + gathered + (launch_bounds(warps, min_blocks) if min_blocks else "")
 
