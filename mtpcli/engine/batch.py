@@ -72,7 +72,47 @@ class Emitted:
     ended: bool
 
 
-class Batch:
+class Rows:
+    """What a batch of requests does whatever it decodes in (classic steps here, MTP rounds in
+    ``mtp_batch.py``): its rows, their steps collected, and rows leaving."""
+
+    rows: list
+
+    def step(self) -> list[Emitted]:
+        raise NotImplementedError
+
+    def advance(self, tokens) -> list[Emitted]:
+        """One ``step``, each row's tokens appended to ``tokens[row.owner]`` and the rows that
+        ended dropped (for callers that only collect tokens: benches, tests)."""
+        out = self.step()
+        for e in out:
+            tokens[e.row.owner].extend(e.tokens)
+        self.drop([e.row for e in out if e.ended])
+        return out
+
+    def drain(self, tokens) -> None:
+        """``advance`` until every row has ended."""
+        while self.rows:
+            self.advance(tokens)
+
+    def drop(self, rows: Iterable) -> None:
+        """Take ``rows`` out of the batch (ended, or their client left)."""
+        gone = {id(r) for r in rows}
+        if not gone:  # (a step where nothing ended: the caches stay as they are)
+            return
+        for r in self.rows:
+            if id(r) in gone:
+                r.stats.finish(r.started, time.perf_counter(), mx.get_peak_memory())
+        keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
+        self.rows = [self.rows[i] for i in keep]
+        self._keep(keep)
+
+    def _keep(self, keep: list[int]) -> None:
+        """The batch's state with only the rows ``keep`` (indices, in order; none: empty)."""
+        raise NotImplementedError
+
+
+class Batch(Rows):
     """The rows decoding together and their caches (``Target.join_rows``)."""
 
     def __init__(self, target: Target) -> None:
@@ -156,29 +196,6 @@ class Batch:
         self._picks = picks
         return out
 
-    def advance(self, tokens) -> list[Emitted]:
-        """One ``step``, each row's token appended to ``tokens[row.owner]`` and the rows that
-        ended dropped (for callers that only collect tokens: benches, tests)."""
-        out = self.step()
-        for e in out:
-            tokens[e.row.owner].extend(e.tokens)
-        self.drop([e.row for e in out if e.ended])
-        return out
-
-    def drain(self, tokens) -> None:
-        """``advance`` until every row has ended."""
-        while self.rows:
-            self.advance(tokens)
-
-    def drop(self, rows: Iterable[Row]) -> None:
-        """Take ``rows`` out of the batch (ended, or their client left)."""
-        gone = {id(r) for r in rows}
-        if not gone:  # (a step where nothing ended: the caches stay as they are)
-            return
-        for r in self.rows:
-            if id(r) in gone:
-                r.stats.finish(r.started, time.perf_counter(), mx.get_peak_memory())
-        keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
-        self.rows = [self.rows[i] for i in keep]
+    def _keep(self, keep: list[int]) -> None:
         self.cache = self.target.keep_rows(self.cache, keep) if keep else None
         self._picks = None

@@ -24,7 +24,7 @@ from ..drafters import Drafter
 from ..errors import BatchNotSupportedError
 from ..models import Target
 from ..stats import GenerationStats, MTPStats
-from .batch import Emitted
+from .batch import Emitted, Rows
 from .mtp import start_mtp
 from .prompt_cache import PromptCache
 from .sampling import KeyChain, SamplingParams, check_finite, greedy, greedy_checked, pick_checked
@@ -65,7 +65,7 @@ class MTPRow:
     started: float = 0.0  # when its decoding began (perf_counter)
 
 
-class MTPBatch:
+class MTPBatch(Rows):
     """The rows decoding together in MTP rounds of ``block_size`` positions, their caches
     (``Target.join_rows``, ``Drafter.join_rows``), each row's pending token [B] and the
     drafter's output at it [B, 1, H] (where the row's first draft comes from)."""
@@ -219,30 +219,7 @@ class MTPBatch:
                 return Emitted(r, out, True)
         return Emitted(r, out, False)
 
-    def advance(self, tokens) -> list[Emitted]:
-        """One ``step``, each row's tokens appended to ``tokens[row.owner]`` and the rows that
-        ended dropped (for callers that only collect tokens: benches, tests)."""
-        out = self.step()
-        for e in out:
-            tokens[e.row.owner].extend(e.tokens)
-        self.drop([e.row for e in out if e.ended])
-        return out
-
-    def drain(self, tokens) -> None:
-        """``advance`` until every row has ended."""
-        while self.rows:
-            self.advance(tokens)
-
-    def drop(self, rows: Iterable[MTPRow]) -> None:
-        """Take ``rows`` out of the batch (ended, or their client left)."""
-        gone = {id(r) for r in rows}
-        if not gone:
-            return
-        for r in self.rows:
-            if id(r) in gone:
-                r.stats.finish(r.started, time.perf_counter(), mx.get_peak_memory())
-        keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
-        self.rows = [self.rows[i] for i in keep]
+    def _keep(self, keep: list[int]) -> None:
         if not keep:
             self.tcache = self.dcache = self.pending = self.h = None
             return
