@@ -52,14 +52,18 @@ def check_exact(target, rows: int, tokens: int) -> bool:
     vocab = target.config.text.vocab_size
     want = [list(generate_classic(target, _prompt(i, vocab), max_tokens=tokens))
             for i in range(rows)]  # fmt: skip
-    batch, got = Batch(target), [[] for _ in range(rows)]
-    joined = 0
+    return _joining(Batch(target), rows, tokens, vocab) == want
+
+
+def _joining(batch, rows: int, tokens: int, vocab: int) -> list[list[int]]:
+    """Each of ``rows`` requests' tokens, joining ``batch`` one step apart."""
+    got, joined = [[] for _ in range(rows)], 0
     while joined < rows or batch.rows:
         if joined < rows:
             batch.add(_prompt(joined, vocab), owner=joined, max_tokens=tokens)
             joined += 1
         batch.advance(got)
-    return got == want
+    return got
 
 
 def references(target, rows: int, tokens: int) -> list[list[int]]:
@@ -77,13 +81,7 @@ def check_exact_rounds(target, drafter, refs: list[list[int]], block: int, p: fl
     """Each request, joining one round apart, decodes its classic tokens in MTP rounds."""
     vocab, rows, tokens = target.config.text.vocab_size, len(refs), len(refs[0])
     batch = MTPBatch(target, drafter, block, simulated_row_drafts(refs, p, seed=1), round_rows)
-    got, joined = [[] for _ in range(rows)], 0
-    while joined < rows or batch.rows:
-        if joined < rows:
-            batch.add(_prompt(joined, vocab), owner=joined, max_tokens=tokens)
-            joined += 1
-        batch.advance(got)
-    return got == refs
+    return _joining(batch, rows, tokens, vocab) == refs
 
 
 def time_rounds(target, drafter, refs: list[list[int]], block: int, p: float | None,
