@@ -169,19 +169,20 @@ def simulated_drafts(reference: list[int], p: float, seed: int):
     return propose
 
 
-def simulated_row_drafts(references: list[list[int]], p: float, seed: int):
+def simulated_row_drafts(references: Sequence[list[int]], p: float, seed: int):
     """``simulated_drafts`` for a batch's rounds (``engine/mtp_batch.draft_rows``'s signature):
-    row b's draft for output position j is swapped for ``references[b][j]`` with probability
-    p, as decided by (seed, b, j) alone."""
+    the draft of the request owned by o for its output position j is swapped for
+    ``references[o][j]`` with probability p, as decided by (seed, o, j) alone (a request's, not
+    its row's: rows move as others leave)."""
 
-    def propose(drafter, target, cache, h, k, positions):
+    def propose(drafter, target, cache, h, k, rows):
         drafts = draft_rows(drafter, target, cache, h, k)  # [B, k]
         swap, own = [], []
-        for b, at in enumerate(positions):
-            ref = references[b]
+        for owner, at in rows:
+            ref = references[owner]
             js = [at + 1 + i for i in range(k)]
-            swap.append([j < len(ref) and random.Random((seed * 1_000_003 + b) * 1_000_003 + j)
-                         .random() < p for j in js])  # fmt: skip
+            swap.append([j < len(ref) and random.Random((seed * 1_000_003 + owner) * 1_000_003
+                                                        + j).random() < p for j in js])  # fmt: skip
             own.append([ref[j] if j < len(ref) else 0 for j in js])
         return mx.where(mx.array(swap), mx.array(own, mx.uint32).astype(drafts.dtype), drafts)
 

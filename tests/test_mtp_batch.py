@@ -9,6 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from mtpcli import kernels
 from mtpcli.engine.classic import generate_classic
 from mtpcli.engine.mtp_batch import MTPBatch
 from mtpcli.engine.sampling import SamplingParams
@@ -78,6 +79,40 @@ def test_each_row_decodes_what_its_request_decodes_alone(load, moe, bits, monkey
     # the predictable drafter is right most of the time, not always: ragged rounds
     assert any(len(set(n)) > 1 for n in kept) and any(max(n) == 3 for n in kept)
     assert sum(r.stats.mtp.accepted for r in rows) > 0
+    for r in rows:  # a sampled row's steps are classic steps, every step counted
+        assert r.stats.mtp.rounds + r.stats.mtp.classic_steps > 0
+        assert r.stats.mtp.rounds == 0 if not r.sampling.greedy else r.stats.mtp.rounds > 0
+
+
+def test_each_rows_drafts_are_its_own(load, monkeypatch):
+    """On the CPU (whose products are row-invariant, the drafter's too) each greedy row accepts
+    in every round what it accepts decoding alone (a drafter output read at another position
+    changes the drafts, not the tokens), and after every step the drafter's cache holds each
+    row's positions as the target's does (one a token before the pending one)."""
+    from mtpcli.engine.mtp import generate_mtp
+    from mtpcli.stats import GenerationStats
+
+    loaded = load(bits=4)
+    if kernels.backend() != "cpu":
+        pytest.skip("the drafter's rows are row-invariant on the CPU only")
+    requests = [r for r in REQUESTS if r[2].greedy and r[5] is None]
+    real, steps = MTPBatch.step, []
+
+    def step(self):
+        out = real(self)
+        target_kv = next(c for c in self.tcache if isinstance(c, BatchKV))
+        steps.append((list(self.dcache[0].lengths), list(target_kv.lengths)))
+        return out
+
+    monkeypatch.setattr(MTPBatch, "step", step)
+    _, rows = _batched(loaded, requests, block=4)
+    assert steps and all(drafter == target for drafter, target in steps)
+    for (prompt, n, *_), r in zip(requests, rows, strict=True):
+        alone = GenerationStats()
+        list(generate_mtp(loaded.target, loaded.drafter, prompt, block_size=4, max_tokens=n,
+                          stats=alone, build_ahead=False))  # fmt: skip
+        assert r.stats.mtp.accept_histogram == alone.mtp.accept_histogram
+        assert sum(alone.mtp.accept_histogram[1:]) > 0  # drafts were accepted
 
 
 def test_random_drafter_rejects_and_rows_stay_exact(load):
@@ -86,17 +121,32 @@ def test_random_drafter_rejects_and_rows_stay_exact(load):
     _check(loaded, REQUESTS[:3], got)
 
 
-def test_a_row_ends_at_eos_mid_round_and_the_others_go_on(load):
+def test_a_row_ends_at_eos_mid_round_and_the_others_go_on(load, monkeypatch):
+    """An EOS that a round accepts with tokens after it: the row ends there (the tokens after
+    it dropped), and the other rows, one sampled, decode on as alone."""
     loaded = load(bits=4)
     alone = _alone(loaded.target, REQUESTS[0][0], 24, SamplingParams(), None)
-    eos = alone[5]
-    got, _ = _batched(loaded, REQUESTS[:3], eos=(eos,))
+    real, cut = MTPBatch._emit, []
+
+    def emit(self, r, tokens, lse, k):
+        out = real(self, r, tokens, lse, k)
+        if r.owner == 0 and out.ended and len(out.tokens) + 1 < len(tokens):
+            cut.append(tokens)  # the EOS came before the round's last token
+        return out
+
+    monkeypatch.setattr(MTPBatch, "_emit", emit)
+    for j in range(2, 12):  # an EOS some round accepts with more after it
+        eos = alone[j]
+        if eos in alone[:j]:
+            continue
+        got, _ = _batched(loaded, REQUESTS[:3], eos=(eos,))
+        if cut:
+            break
+    assert cut, "no EOS fell before the end of its round"
     for i in range(3):
         prompt, n, sampling, seed, _, _ = REQUESTS[i]
         want = _alone(loaded.target, prompt, n, sampling, seed)
-        if sampling.greedy and eos in want:
-            want = want[: want.index(eos)]
-        assert got[i] == want if sampling.greedy else len(got[i]) > 0, f"request {i}"
+        assert got[i] == (want[: want.index(eos)] if eos in want else want), f"request {i}"
 
 
 def test_rollback_rows_mutations_fail(load, monkeypatch):

@@ -52,7 +52,7 @@ def test_reference_picks_each_rows_own_count(n):
             assert np.array_equal(np.array(state)[b], f[b] if n[b] == T else s[n[b] - 1, b])
 
 
-def _emulate(convs, steps, finals, n, metal=False, states_source=None):
+def _emulate(convs, steps, finals, n, metal=False, states_source=None, windows_source=None):
     keep = {"keep": np.array(n if isinstance(n, tuple) else [n], np.int32)}
     R = keep["keep"].size
     N = finals[0].size
@@ -66,7 +66,7 @@ def _emulate(convs, steps, finals, n, metal=False, states_source=None):
         threadgroup=(64, 1, 1),
     )  # fmt: skip
     windows = cuda_emulation.run(
-        pk.source("windows", LAYERS, metal),
+        windows_source or pk.source("windows", LAYERS, metal),
         keep | {f"c{i}": c for i, c in enumerate(convs)},
         {f"w{i}": (B, W, C) for i in range(LAYERS)},
         {"T": T, "W": W, "B": B, "C": C, "R": R},
@@ -97,13 +97,15 @@ def test_emulated_kernels_pick_each_rows_own_count(metal):
             assert np.array_equal(g, np.array(w))
 
 
-def test_an_emulated_kernel_that_reads_the_first_rows_count_for_all_is_caught():
+@pytest.mark.parametrize("kind", ["states", "windows"])
+def test_an_emulated_kernel_that_reads_the_first_rows_count_for_all_is_caught(kind):
     convs, steps, finals = _arrays(6)
-    broken = pk.source("states", LAYERS, False).replace("R == 1 ? 0 :", "true ? 0 :")
+    broken = pk.source(kind, LAYERS, False).replace("R == 1 ? 0 :", "true ? 0 :")
     n = (1, 4)
-    got = _emulate(convs, steps, finals, n, states_source=broken)[1]
+    sources = {f"{kind}_source": broken}
+    got = _emulate(convs, steps, finals, n, **sources)[kind == "states"]
     want = pk.pick_kept_ops(*([mx.array(a) for a in x] for x in (convs, steps, finals)),
-                            mx.array(n, mx.int32), T)[1]  # fmt: skip
+                            mx.array(n, mx.int32), T)[kind == "states"]  # fmt: skip
     assert not all(np.array_equal(g, np.array(w)) for g, w in zip(got, want, strict=True))
 
 

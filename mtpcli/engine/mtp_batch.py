@@ -29,16 +29,16 @@ from .mtp import start_mtp
 from .prompt_cache import PromptCache
 from .sampling import KeyChain, SamplingParams, check_finite, greedy, greedy_checked, pick_checked
 
-# A round's drafts: (drafter, target, its caches, the rows' drafter outputs [B, 1, H], k, the
-# output index of each row's pending token) -> drafts [B, k]; benchmarks swap in a wrapper
-# (``bench.simulated_row_drafts``).
-Propose = Callable[[Drafter, Target, list, mx.array, int, list[int]], mx.array]
+# A round's drafts: (drafter, target, its caches, the rows' drafter outputs [B, 1, H], k, each
+# row's owner and the output index of its pending token) -> drafts [B, k]; benchmarks swap in
+# a wrapper (``bench.simulated_row_drafts``).
+Propose = Callable[[Drafter, Target, list, mx.array, int, list[tuple[Any, int]]], mx.array]
 
 
 def draft_rows(drafter: Drafter, target: Target, dcache: list, h: mx.array, k: int,
-               positions: list[int] | None = None) -> mx.array:  # fmt: skip
+               rows: list[tuple[Any, int]] | None = None) -> mx.array:  # fmt: skip
     """Chain k greedy drafts for every row from the drafter's outputs h [B, 1, H]: [B, k]. The
-    chain is not kept in the drafter's cache. (``positions`` is for wrappers.)"""
+    chain is not kept in the drafter's cache. (``rows`` is for wrappers.)"""
     drafts = []
     for i in range(k):
         d = greedy(target.lm_head(h)[:, -1])  # [B]
@@ -94,7 +94,7 @@ class MTPBatch(Rows):
         cap = self.target.batch_rows
         if cap is None or (self.round_rows is not None and self.round_rows <= cap):
             return cap
-        return cap // self.block
+        return max(cap // self.block, 1)  # (one request verifies as it does alone)
 
     def add(
         self,
@@ -138,8 +138,10 @@ class MTPBatch(Rows):
         return row
 
     def rounds(self) -> bool:
-        """Whether the next step is a round (else one token a row, the drafter kept current)."""
-        return self.round_rows is None or len(self.rows) * self.block <= self.round_rows
+        """Whether the next step is a round (else one token a row, the drafter kept current):
+        one request alone always rounds, as ``generate_mtp`` would."""
+        B = len(self.rows)
+        return self.round_rows is None or B == 1 or B * self.block <= self.round_rows
 
     def step(self) -> list[Emitted]:
         """One round of every row: draft, verify, accept, roll back, emit; then the drafter
@@ -147,9 +149,10 @@ class MTPBatch(Rows):
         classic step). What each row gave, in row order; rows that ended stay until ``drop``."""
         B, T = len(self.rows), self.block if self.rounds() else 1
         k = T - 1
-        at = [0 if r.first is not None else r.n - 1 for r in self.rows]  # the pending tokens'
+        at = [(r.owner, 0 if r.first is not None else r.n - 1) for r in self.rows]  # pending
         drafts = (self.propose(self.drafter, self.target, self.dcache, self.h, k, at) if k
                   else mx.zeros((B, 0), mx.uint32))  # [B, k]  # fmt: skip
+        # [B, T]: each row's pending token, then its drafts
         block = mx.concatenate([self.pending.reshape(B, 1), drafts.astype(mx.uint32)], axis=1)
         out = self.target.forward(block, self.tcache, verify=T > 1)  # [B, T, H]
         picked, n_acc, lse = self._accept(self.target.lm_head(out.hidden, exact=True), drafts)
@@ -185,9 +188,11 @@ class MTPBatch(Rows):
         round's first draft's, and the token the next verify's first."""
         B, T = len(picked), len(picked[0])
         h = self.drafter.forward(mx.array(picked, mx.uint32), hidden, self.dcache)  # [B, T, H]
-        self.h = mx.take_along_axis(h, mx.array(n_acc, mx.int32).reshape(B, 1, 1), axis=1)
+        kept = mx.array(n_acc, mx.int32).reshape(B, 1, 1)
+        self.h = mx.take_along_axis(h, kept, axis=1)  # [B, 1, H]
         self.drafter.rewind_rows(self.dcache, [T - 1 - n for n in n_acc])
-        self.pending = mx.array([p[n] for p, n in zip(picked, n_acc, strict=True)], mx.uint32)
+        pending = [p[n] for p, n in zip(picked, n_acc, strict=True)]
+        self.pending = mx.array(pending, mx.uint32)  # [B]
         mx.async_eval(self.h, self.pending, *self.target.cache_arrays(self.tcache))
 
     def _sampled(self, logits: mx.array) -> mx.array:
@@ -202,10 +207,10 @@ class MTPBatch(Rows):
     def _emit(self, r: MTPRow, tokens: list[int], lse: list[float], k: int) -> Emitted:
         """A row's tokens of this round, up to its EOS or its last token."""
         check_finite(lse, r.n)
-        if not k:
-            r.stats.mtp.classic_steps += 1
-        elif r.sampling.greedy:
+        if k and r.sampling.greedy:
             r.stats.mtp.record(k, len(tokens) - 1)
+        else:  # a step of one position, or a sampled row's classic step inside a round
+            r.stats.mtp.classic_steps += 1
         out = []
         if r.first is not None:
             tokens, r.first = [r.first, *tokens], None

@@ -47,7 +47,8 @@ def _rows_ops(conv_inputs: list, states: list, finals: list, n_keep: mx.array, l
     rows = mx.arange(B)
     for conv_input, steps, final in zip(conv_inputs, states, finals, strict=True):
         W = conv_input.shape[1] - block
-        at = n_keep.reshape(B, 1, 1) + mx.arange(W, dtype=n_keep.dtype).reshape(1, W, 1)
+        offsets = mx.arange(W, dtype=n_keep.dtype).reshape(1, W, 1)
+        at = n_keep.reshape(B, 1, 1) + offsets  # [B, W, 1]
         windows.append(mx.take_along_axis(conv_input, at, axis=1))  # [B, W, C]
         step = steps[last, rows]  # [B, Hv, Dv, Dk]
         kept.append(mx.where((n_keep == block).reshape(B, 1, 1, 1), final, step))
@@ -151,8 +152,8 @@ def pick_kept_native(conv_inputs: list, states: list, finals: list, n_keep: mx.a
             output_shapes=[shape] * L,
             output_dtypes=[mx.float32] * L,
         )
-        B, R, C = conv_inputs[group[0]].shape
-        W = R - block
+        B, rows, C = conv_inputs[group[0]].shape  # rows: the window's and the block's
+        W = rows - block
         windows += wk(
             inputs=[n_keep, *(conv_inputs[i] for i in group)],
             template=[
