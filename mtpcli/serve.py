@@ -103,9 +103,10 @@ class Decoder:
         # MTP rounds of a batch: forced, with a drafter (the gate times one request alone)
         self.rounds = force_mtp and loaded.drafter is not None and max_batch > 1
         self.block = block_size or (loaded.drafter.block_size if loaded.drafter else 1)
-        cap = loaded.target.batch_rows
+        cap, self.round_rows = loaded.target.batch_rows, None
         if self.rounds:  # each position of a round's block is a row of the products
-            cap = MTPBatch(loaded.target, loaded.drafter, self.block).max_rows
+            shape = MTPBatch(loaded.target, loaded.drafter, self.block)
+            cap, self.round_rows = shape.max_rows, shape.round_rows
         if cap is not None and max_batch > cap:
             note(f"--max-batch {max_batch}: this target decodes at most {cap} requests together "
                  "exactly on this backend" + (f" in rounds of {self.block}" if self.rounds else "")
@@ -122,6 +123,20 @@ class Decoder:
     @property
     def busy(self) -> bool:
         return bool(self.running)
+
+    @property
+    def concurrency(self) -> str:
+        """How jobs decode, as ``/health`` says it."""
+        if self.max_batch == 1:
+            return "one request decodes at a time; the others wait in a queue"
+        how = "classic steps"
+        if self.rounds:
+            how = f"MTP rounds of {self.block}"
+            if self.round_rows:
+                how += f" while requests x block <= {self.round_rows}, else one token a row"
+        return (
+            f"up to {self.max_batch} requests decode together in {how}; the others wait in a queue"
+        )
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
@@ -414,10 +429,7 @@ class Server:
             "draft_model": str(loaded.drafter_dir) if loaded.drafter_dir else None,
             "decoding": d.busy, "rows": len(d.running), "max_batch": d.max_batch,
             "queued": d.jobs.qsize(), "served": d.served, "cancelled": d.cancelled,
-            "concurrency": "one request decodes at a time; the others wait in a queue"
-            if d.max_batch == 1 else f"up to {d.max_batch} requests decode together in "
-            + (f"MTP rounds of {d.block}" if d.rounds else "classic steps")
-            + "; the others wait in a queue",
+            "concurrency": d.concurrency,
             "prompt_cache": _prompt_cache(d.prompt_cache),
         })  # fmt: skip
 
