@@ -764,13 +764,7 @@ def rollback_rows(cache: list, traces: list, n_keep: list[int], block: int,
     for c, trace in zip(cache, traces, strict=True):
         if c is not None and trace is None:  # (None: another pipeline stage's layer)
             c.rewind([block - n for n in n_keep])
-    linear = [(c, t) for c, t in zip(cache, traces, strict=True) if t is not None]
-    windows, states = pick_kept(
-        [t.conv_input for _, t in linear], [t.states for _, t in linear],
-        [c[1] for c, _ in linear], mx.array(n_keep, mx.int32), block, mode,
-    )  # fmt: skip
-    for (c, _), window, state in zip(linear, windows, states, strict=True):
-        c[0], c[1] = window, state
+    keep_linear(cache, traces, mx.array(n_keep, mx.int32), block, mode)
 
 
 def rollback_on_device(cache: list, traces: list, n_keep: mx.array, block: int,
@@ -782,6 +776,12 @@ def rollback_on_device(cache: list, traces: list, n_keep: mx.array, block: int,
     length = kv[0].length() - block + n_keep
     for c in kv:
         c.keep(length)
+    keep_linear(cache, traces, n_keep, block, mode)
+
+
+def keep_linear(cache: list, traces: list, n_keep: mx.array, block: int, mode: str) -> None:
+    """Every gated-delta layer's window and state after the first ``n_keep`` (int32 [1], or
+    [B]: each row's) of the block, picked from its trace (``kernels.pick_kept``)."""
     linear = [(c, t) for c, t in zip(cache, traces, strict=True) if t is not None]
     windows, states = pick_kept(
         [t.conv_input for _, t in linear], [t.states for _, t in linear],
