@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .engine import check_room
@@ -80,6 +80,18 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
 
+@dataclass
+class DecodeTime:
+    """Where the decoding thread's time went (``/health``): prompts processed as jobs joined
+    a batch, the batch's steps (queueing the next and reading the last), and relaying their
+    tokens as text; seconds since the server started."""
+
+    prompts_s: float = 0.0
+    steps: int = 0
+    steps_s: float = 0.0
+    relay_s: float = 0.0
+
+
 class Decoder:
     """Decodes queued jobs with a loaded pair (``run`` on the main thread): one at a time
     through ``generate`` (the gate, MTP), or with ``max_batch`` above 1 up to that many at once
@@ -119,6 +131,7 @@ class Decoder:
         self.cancelled = 0
         self.stopping = False
         self.running: list[Job] = []
+        self.time = DecodeTime()
 
     @property
     def busy(self) -> bool:
@@ -170,17 +183,23 @@ class Decoder:
             reason = (f"off: up to {self.max_batch} requests decode together in classic steps "
                       "(--max-batch)")  # fmt: skip
         decision = GateDecision(self.rounds, self.block_size or self.block, reason, None)
+        spent = self.time
         while keep_going() and (batch.rows or not self.stopping):
             while len(batch.rows) < self.max_batch and not self.stopping:
                 try:
                     job = self.jobs.get(timeout=0 if batch.rows else 0.1)
                 except queue.Empty:
                     break
+                t0 = time.perf_counter()
                 self._join(batch, job)
+                spent.prompts_s += time.perf_counter() - t0
             if not batch.rows:
                 continue
             ended = []
-            for e in batch.step():
+            t0 = time.perf_counter()
+            emitted = batch.step()
+            t1 = time.perf_counter()
+            for e in emitted:
                 job, text = e.row.owner
                 finish, done = None, e.ended
                 if job.cancel.is_set():
@@ -194,6 +213,9 @@ class Decoder:
                     self._finished(job, result)
             batch.drop(ended)
             self.running = [r.owner[0] for r in batch.rows]
+            spent.steps += 1
+            spent.steps_s += t1 - t0
+            spent.relay_s += time.perf_counter() - t1
 
     def _join(self, batch: Batch | MTPBatch, job: Job) -> None:
         """Start ``job`` in ``batch``, or answer it at once (its client left, a bad request)."""
@@ -431,6 +453,7 @@ class Server:
             "queued": d.jobs.qsize(), "served": d.served, "cancelled": d.cancelled,
             "concurrency": d.concurrency,
             "prompt_cache": _prompt_cache(d.prompt_cache),
+            "time": asdict(d.time) if d.max_batch > 1 else None,
         })  # fmt: skip
 
     async def models(self, request):
@@ -588,6 +611,13 @@ class Server:
                 kind, value = event if event is not None else await job.events.get()
                 event = None
                 if kind == "text":
+                    # the texts already queued go out as one chunk (a batch's step relays every
+                    # row's token at once, a round several of each)
+                    while not job.events.empty():
+                        event = job.events.get_nowait()
+                        if event[0] != "text":
+                            break
+                        value, event = value + event[1], None
                     yield chunk(value)
                 elif kind == "error":
                     yield f"data: {json.dumps(value.body())}\n\n"

@@ -26,6 +26,8 @@ import statistics
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from bench_prompt_cache import _free_port, _start  # scripts/: starting a server, its port
@@ -85,6 +87,15 @@ def _level(client, model: str, clients: int, prompts: list[str], args, run: int)
     }  # fmt: skip
 
 
+def _spent(port: int) -> dict | None:
+    """Our batching server's ``/health`` time (prompts, steps, relay), None from others."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+            return json.load(r).get("time")
+    except (urllib.error.URLError, ValueError):  # no such route, or not JSON
+        return None
+
+
 def run_server(name: str, argv: list[str], port: int, model: str, prompts: list[str], args,
                out: Path) -> dict:  # fmt: skip
     from openai import OpenAI
@@ -97,7 +108,12 @@ def run_server(name: str, argv: list[str], port: int, model: str, prompts: list[
         runs: dict[int, list[dict]] = {c: [] for c in args.clients}
         for rep in range(args.repeats):  # the levels interleaved, so that drift reaches each
             for c in args.clients:
-                runs[c].append(_level(client, model, c, prompts, args, rep))
+                before = _spent(port)
+                run = _level(client, model, c, prompts, args, rep)
+                after = _spent(port)
+                if before and after:  # our batching server: where its decoding time went
+                    run["server_time"] = {k: after[k] - before[k] for k in after}
+                runs[c].append(run)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -130,6 +146,9 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None,
                     help="a target directory (scripts/write_synthetic.py writes one of a real "
                          "shape) instead of the built-in example")  # fmt: skip
+    ap.add_argument("--draft-model", type=Path, default=None,
+                    help="the MTP arms' drafter with --model (write_synthetic.py writes one "
+                         "beside the target)")  # fmt: skip
     ap.add_argument(
         "--servers",
         nargs="+",
@@ -148,12 +167,14 @@ def main() -> None:
     name = str(target) if args.model else "example"
     ours = [sys.executable, "-m", "mtpcli", "serve", *(["-m", name] if args.model else []),
             "--port"]  # fmt: skip
+    mtp = ["--draft-kind", "mtp", *(["--draft-model", str(args.draft_model)]
+                                    if args.draft_model else [])]  # fmt: skip
     servers = {
-        "ours_mtp": ([*ours, str(p1), "--draft-kind", "mtp"], p1, name),
+        "ours_mtp": ([*ours, str(p1), *mtp], p1, name),
         "ours_classic": ([*ours, str(p2), "--draft-kind", "none"], p2, name),
         "ours_batched": ([*ours, str(p4), "--draft-kind", "none", "--max-batch",
                           str(args.max_batch)], p4, name),
-        "ours_batched_mtp": ([*ours, str(p5), "--draft-kind", "mtp", "--max-batch",
+        "ours_batched_mtp": ([*ours, str(p5), *mtp, "--max-batch",
                               str(args.max_batch)], p5, name),
         "mlx_lm": ([sys.executable, "-m", "mlx_lm.server", "--model", str(target), "--port",
                     str(p3)], p3, str(target)),
