@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -412,7 +413,8 @@ def test_requests_in_mtp_rounds_together_are_answered_exactly(tmp_path, referenc
     generate``'s, and the responses say MTP ran."""
     proc, base = _start(tmp_path, ("--max-batch", "4", "--draft-kind", "mtp"))
     try:
-        _together(base, reference)
+        how = httpx.get(f"{base}/health").json()["concurrency"]
+        _together(base, reference, int(re.search(r"MTP rounds of (\d+)", how)[1]) + 1)
         body = {"model": "example", "prompt": PROMPTS[0], "max_tokens": 12}
         r = httpx.post(f"{base}/v1/completions", timeout=120, json=body)
         assert r.json()["choices"][0]["text"] == reference(PROMPTS[0], False, 12)["text"]
@@ -424,7 +426,8 @@ def test_requests_in_mtp_rounds_together_are_answered_exactly(tmp_path, referenc
         assert proc.wait(timeout=20) == 0
 
 
-def _together(batched: str, reference) -> None:
+def _together(batched: str, reference, per_step: int = 1) -> None:
+    """``per_step``: the most tokens a row gets from one step (an MTP round's block + 1)."""
     cases = [(PROMPTS[i % 4], i % 2 == 0, 6 + i % 5 * 7) for i in range(12)]
     stop = reference(PROMPTS[1], False, 20)["text"][5:9]
 
@@ -439,20 +442,39 @@ def _together(batched: str, reference) -> None:
         r = await client.post("/v1/completions", json=body)
         return r.json()["choices"][0]["text"]
 
+    async def streamed(client, prompt, n):
+        # the pieces queued while the stream was sending go out merged: their text is the same
+        body = {"model": "example", "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": n, "stream": True}  # fmt: skip
+        pieces = []
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    doc = json.loads(line[6:])
+                    pieces += [c["delta"].get("content") or "" for c in doc["choices"]]
+        return "".join(pieces)
+
     async def main():
         async with httpx.AsyncClient(base_url=batched, timeout=300) as client:
+            before = (await client.get("/health")).json()["time"]
             tasks = [asyncio.create_task(ask(client, *c)) for c in cases]
+            tasks.append(asyncio.create_task(streamed(client, PROMPTS[2], 30)))
             tasks.append(asyncio.create_task(ask(client, PROMPTS[1], False, 20, stop)))
             rows = 0
             while not all(t.done() for t in tasks):
                 rows = max(rows, (await client.get("/health")).json()["rows"])
                 await asyncio.sleep(0.02)
-            return [t.result() for t in tasks], rows
+            after = (await client.get("/health")).json()["time"]
+            return [t.result() for t in tasks], rows, before, after
 
-    texts, rows = asyncio.run(main())
-    assert texts[:-1] == [reference(*c)["text"] for c in cases]
+    texts, rows, before, after = asyncio.run(main())
+    assert texts[:-2] == [reference(*c)["text"] for c in cases]
+    assert texts[-2] == reference(PROMPTS[2], True, 30)["text"]
     assert texts[-1] == reference(PROMPTS[1], False, 20)["text"][:5]
     assert 2 <= rows <= 4  # they decoded together, never more than --max-batch
+    # /health's time: 14 prompts processed, and at least the longest request's 34 steps
+    assert after["steps"] - before["steps"] >= 34 // per_step
+    assert after["prompts_s"] > before["prompts_s"] and after["steps_s"] > before["steps_s"]
 
 
 def test_bad_input_beside_a_batch_costs_its_rows_nothing(batched, reference):
