@@ -396,6 +396,12 @@ def serve(
         "classic steps, or in MTP rounds with --draft-kind mtp (1: one at a time, with MTP "
         "where the gate engages it). Tokens are those each request decodes alone.",
     ),  # fmt: skip
+    prompts_inline: bool = typer.Option(
+        False,
+        "--prompts-inline",
+        help="With --max-batch: process a joining request's prompt while the batch waits, "
+        "rather than on a thread of its own beside the batch's steps (for comparison).",
+    ),  # fmt: skip
 ) -> None:
     """Serve the target over an OpenAI-compatible HTTP API.
 
@@ -429,7 +435,7 @@ def serve(
         loaded, model_name or model or "example", host=host, port=port,
         block_size=draft_block_size, force_mtp=draft_kind == "mtp",
         default_max_tokens=max_tokens, note=_note, prompt_cache_bytes=prompt_cache_bytes,
-        max_batch=max_batch,
+        max_batch=max_batch, prompts_inline=prompts_inline,
     )  # fmt: skip
     if stopped_by == signal.SIGINT:
         raise Interrupted("interrupted")

@@ -14,6 +14,7 @@ prompt, the next turn of a chat) skip processing that part, with the tokens of a
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import queue
@@ -23,11 +24,15 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
+import mlx.core as mx
+
 from .engine import check_room
-from .engine.batch import Batch
+from .engine.batch import Batch, Started
 from .engine.mtp_batch import MTPBatch
 from .engine.prompt_cache import PromptCache
 from .engine.sampling import SamplingParams
@@ -82,10 +87,12 @@ class Job:
 
 @dataclass
 class DecodeTime:
-    """Where the decoding thread's time went (``/health``): prompts processed as jobs joined
-    a batch, the batch's steps (queueing the next and reading the last), and relaying their
-    tokens as text; seconds since the server started."""
+    """Where the decoding thread's time went (``/health``), in seconds since the server
+    started: waiting on prompts (processed while the batch waited, or joining), the batch's
+    steps (queueing the next and reading the last), and relaying their tokens as text; and how
+    many prompts were processed beside the steps, on the prompt thread."""
 
+    prompts_beside: int = 0
     prompts_s: float = 0.0
     steps: int = 0
     steps_s: float = 0.0
@@ -101,8 +108,13 @@ class Decoder:
 
     def __init__(self, loaded: Loaded, block_size: int | None = None, force_mtp: bool = False,
                  note: Callable[[str], None] = lambda msg: None,
-                 prompt_cache_bytes: int = 0, max_batch: int = 1):  # fmt: skip
+                 prompt_cache_bytes: int = 0, max_batch: int = 1,
+                 prompts_inline: bool = False):  # fmt: skip
         self.loaded, self.block_size, self.force_mtp = loaded, block_size, force_mtp
+        # A batch's joining prompts are processed on a thread of their own (one at a time, on
+        # a stream of that thread) while the batch steps; inline, the batch waits for each.
+        self.prompts_inline = prompts_inline
+        self.prompt_stream = mx.new_thread_local_stream(mx.default_device())
         self.note = note
         # In a pipeline (mlx.launch) every rank decodes each job (``follow``): rank 0 hands
         # each one on, and whether it was cancelled at each token. The prompt cache is off
@@ -184,53 +196,83 @@ class Decoder:
                       "(--max-batch)")  # fmt: skip
         decision = GateDecision(self.rounds, self.block_size or self.block, reason, None)
         spent = self.time
-        while keep_going() and (batch.rows or not self.stopping):
-            while len(batch.rows) < self.max_batch and not self.stopping:
-                try:
-                    job = self.jobs.get(timeout=0 if batch.rows else 0.1)
-                except queue.Empty:
-                    break
-                t0 = time.perf_counter()
-                self._join(batch, job)
-                spent.prompts_s += time.perf_counter() - t0
-            if not batch.rows:
-                continue
-            ended = []
-            t0 = time.perf_counter()
-            emitted = batch.step()
-            t1 = time.perf_counter()
-            for e in emitted:
-                job, text = e.row.owner
-                finish, done = None, e.ended
-                if job.cancel.is_set():
-                    finish, done = "cancelled", True
-                elif any(text.add(t) for t in e.tokens):  # (stops at the first that stops)
-                    finish, done = "stop", True
-                if done:
-                    ended.append(e.row)
-                    result = text.result(self.loaded, finish, job.max_tokens, e.row.stats,
-                                         decision)  # fmt: skip
-                    self._finished(job, result)
-            batch.drop(ended)
-            self.running = [r.owner[0] for r in batch.rows]
-            spent.steps += 1
-            spent.steps_s += t1 - t0
-            spent.relay_s += time.perf_counter() - t1
+        starting: collections.deque[tuple[Job, TextOut, Future]] = collections.deque()
+        with ThreadPoolExecutor(1, thread_name_prefix="mtp-prompts") as prompts:
+            while keep_going() and (batch.rows or starting or not self.stopping):
+                while len(batch.rows) + len(starting) < self.max_batch and not self.stopping:
+                    try:
+                        job = self.jobs.get(timeout=0 if batch.rows or starting else 0.1)
+                    except queue.Empty:
+                        break
+                    if job.cancel.is_set():  # its client left while it waited
+                        self.cancelled += 1
+                        continue
+                    self.running.append(job)
+                    text = TextOut(self.loaded.tokenizer, job.stop,
+                                   lambda t, job=job: job.put("text", t))  # fmt: skip
+                    if batch.rows and not self.prompts_inline:  # beside the batch's steps
+                        starting.append((job, text, prompts.submit(self._start, batch, job, text)))
+                        spent.prompts_beside += 1
+                        continue
+                    t0 = time.perf_counter()  # nothing decodes meanwhile: the batch waits
+                    self._join(batch, job, text, partial(self._start, batch, job, text, False))
+                    spent.prompts_s += time.perf_counter() - t0
+                # prompts processed beside: they join in turn, or a batch with no rows waits
+                while starting and (starting[0][2].done() or not batch.rows):
+                    job, text, done = starting.popleft()
+                    t0 = time.perf_counter()
+                    self._join(batch, job, text, done.result)
+                    spent.prompts_s += time.perf_counter() - t0
+                if not batch.rows:
+                    continue
+                self._step(batch, decision)
+        self.running = []
 
-    def _join(self, batch: Batch | MTPBatch, job: Job) -> None:
-        """Start ``job`` in ``batch``, or answer it at once (its client left, a bad request)."""
-        if job.cancel.is_set():
-            self.cancelled += 1
-            return
-        text = TextOut(self.loaded.tokenizer, job.stop, lambda t: job.put("text", t))
+    def _start(self, batch: Batch | MTPBatch, job: Job, text: TextOut,
+               beside: bool = True) -> Started:  # fmt: skip
+        """A job's prompt processed alone (``beside``: on this thread's own stream)."""
+        with mx.stream(self.prompt_stream) if beside else contextlib.nullcontext():
+            return batch.start(job.ids, owner=(job, text), max_tokens=job.max_tokens,
+                               sampling=job.sampling, seed=job.seed, eos_ids=self.loaded.eos,
+                               prompt_cache=self.prompt_cache,
+                               boundaries=job.boundaries)  # fmt: skip
+
+    def _join(self, batch: Batch | MTPBatch, job: Job, text: TextOut,
+              started: Callable[[], Started]) -> None:  # fmt: skip
+        """Add ``job`` to ``batch`` once ``started`` gives its processed prompt, or answer it at
+        once (its client left, a bad request)."""
         try:
-            batch.add(job.ids, owner=(job, text), max_tokens=job.max_tokens,
-                      sampling=job.sampling, seed=job.seed, eos_ids=self.loaded.eos,
-                      prompt_cache=self.prompt_cache, boundaries=job.boundaries)  # fmt: skip
+            batch.join(started())
         except Exception as e:  # noqa: BLE001 - one failed request must not stop the others
+            self.running.remove(job)
             job.put("error", _failed(e))
-            return
-        self.running.append(job)
+
+    def _step(self, batch: Batch | MTPBatch, decision: GateDecision) -> None:
+        """One step of ``batch``: each row's tokens relayed as text, the rows that ended
+        answered and dropped."""
+        spent = self.time
+        t0 = time.perf_counter()
+        emitted = batch.step()
+        t1 = time.perf_counter()
+        ended = []
+        for e in emitted:
+            job, text = e.row.owner
+            finish, done = None, e.ended
+            if job.cancel.is_set():
+                finish, done = "cancelled", True
+            elif any(text.add(t) for t in e.tokens):  # (stops at the first that stops)
+                finish, done = "stop", True
+            if done:
+                ended.append(e.row)
+                result = text.result(self.loaded, finish, job.max_tokens, e.row.stats,
+                                     decision)  # fmt: skip
+                self._finished(job, result)
+        batch.drop(ended)
+        gone = {id(r.owner[0]) for r in ended}
+        self.running = [j for j in self.running if id(j) not in gone]
+        spent.steps += 1
+        spent.steps_s += t1 - t0
+        spent.relay_s += time.perf_counter() - t1
 
     def _finished(self, job: Job, result: GenerateResult) -> None:
         self.served += 1
@@ -689,14 +731,15 @@ def serve(loaded: Loaded, model_id: str, *, host: str = "127.0.0.1", port: int =
           block_size: int | None = None, force_mtp: bool = False, default_max_tokens: int = 256,
           note: Callable[[str], None] = lambda msg: None,
           prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
-          max_batch: int = 1) -> int | None:  # fmt: skip
+          max_batch: int = 1, prompts_inline: bool = False) -> int | None:  # fmt: skip
     """Serve ``loaded`` until Ctrl-C, SIGTERM or the HTTP server stops. Returns the signal
     that stopped it (None otherwise), once the decoding request has ended with a last event,
     the queued ones got a 503 and the HTTP side closed (within ``STOP_BOUND_S``)."""
     import uvicorn
 
     check_port(host, port)
-    decoder = Decoder(loaded, block_size, force_mtp, note, prompt_cache_bytes, max_batch)
+    decoder = Decoder(loaded, block_size, force_mtp, note, prompt_cache_bytes, max_batch,
+                      prompts_inline)  # fmt: skip
     app = Server(decoder, model_id, default_max_tokens).app()
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level="warning", lifespan="off",

@@ -105,6 +105,14 @@ def run_server(name: str, argv: list[str], port: int, model: str, prompts: list[
     try:
         # a prompt of the runs' kind (a first one of a shape compiles kernels on a GPU)
         _ask(client, model, "# warm-up\n" + prompts[-1], 16)
+        # and at the most clients (a batch's row counts compile theirs)
+        warm = [threading.Thread(target=_ask, args=(client, model, f"# warm-up {c}\n"
+                                                   + prompts[c % len(prompts)], 16))
+                for c in range(max(args.clients))]  # fmt: skip
+        for t in warm:
+            t.start()
+        for t in warm:
+            t.join()
         runs: dict[int, list[dict]] = {c: [] for c in args.clients}
         for rep in range(args.repeats):  # the levels interleaved, so that drift reaches each
             for c in args.clients:
@@ -153,8 +161,8 @@ def main() -> None:
         "--servers",
         nargs="+",
         default=None,
-        help="which of ours_mtp, ours_classic, ours_batched, ours_batched_mtp, mlx_lm "
-        "(default: all)",
+        help="which of ours_mtp, ours_classic, ours_batched, ours_batched_inline (joining "
+        "prompts processed while the batch waits), ours_batched_mtp, mlx_lm (default: all)",
     )
     args = ap.parse_args()
     if min(args.requests, args.repeats, args.max_tokens, args.max_batch, *args.clients) < 1:
@@ -163,7 +171,7 @@ def main() -> None:
     target = args.model or ensure_example()[0]
     prompts = example_prompts()
     load = os.getloadavg()
-    p1, p2, p3, p4, p5 = (_free_port() for _ in range(5))
+    p1, p2, p3, p4, p5, p6 = (_free_port() for _ in range(6))
     name = str(target) if args.model else "example"
     ours = [sys.executable, "-m", "mtpcli", "serve", *(["-m", name] if args.model else []),
             "--port"]  # fmt: skip
@@ -174,6 +182,8 @@ def main() -> None:
         "ours_classic": ([*ours, str(p2), "--draft-kind", "none"], p2, name),
         "ours_batched": ([*ours, str(p4), "--draft-kind", "none", "--max-batch",
                           str(args.max_batch)], p4, name),
+        "ours_batched_inline": ([*ours, str(p6), "--draft-kind", "none", "--max-batch",
+                                 str(args.max_batch), "--prompts-inline"], p6, name),
         "ours_batched_mtp": ([*ours, str(p5), *mtp, "--max-batch",
                               str(args.max_batch)], p5, name),
         "mlx_lm": ([sys.executable, "-m", "mlx_lm.server", "--model", str(target), "--port",

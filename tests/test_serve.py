@@ -475,6 +475,7 @@ def _together(batched: str, reference, per_step: int = 1) -> None:
     # /health's time: 14 prompts processed, and at least the longest request's 34 steps
     assert after["steps"] - before["steps"] >= 34 // per_step
     assert after["prompts_s"] > before["prompts_s"] and after["steps_s"] > before["steps_s"]
+    assert after["prompts_beside"] > before["prompts_beside"]  # some joined a decoding batch
 
 
 def test_bad_input_beside_a_batch_costs_its_rows_nothing(batched, reference):

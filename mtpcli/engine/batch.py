@@ -72,11 +72,39 @@ class Emitted:
     ended: bool
 
 
+@dataclass
+class Started:
+    """A request whose prompt was processed alone (``Rows.start``), waiting to ``join``: its
+    row and the one-row state the batch takes in (caches; per batch kind)."""
+
+    row: Any
+    parts: tuple
+
+
 class Rows:
     """What a batch of requests does whatever it decodes in (classic steps here, MTP rounds in
-    ``mtp_batch.py``): its rows, their steps collected, and rows leaving."""
+    ``mtp_batch.py``): rows joining, their steps collected, and rows leaving.
+
+    A request joins in two parts: ``start`` processes its prompt alone and touches nothing of
+    the batch, so it may run on another thread (with a stream of its own) while the batch
+    steps; ``join`` then adds it between steps. ``add`` does both, the batch waiting."""
 
     rows: list
+
+    def add(self, prompt, **request) -> Any:
+        """``start`` and ``join`` a request (``start``'s arguments); its row."""
+        self.check_room()
+        return self.join(self.start(prompt, **request))
+
+    def start(self, prompt, **request) -> Started:
+        raise NotImplementedError
+
+    def join(self, started: Started) -> Any:
+        raise NotImplementedError
+
+    def check_room(self) -> None:
+        """Refuse a request past the rows this batch decodes exactly together."""
+        raise NotImplementedError
 
     def step(self) -> list[Emitted]:
         raise NotImplementedError
@@ -121,7 +149,15 @@ class Batch(Rows):
         self.cache: list | None = None
         self._picks: Picks | None = None  # the last step's, while the rows are its rows
 
-    def add(
+    def check_room(self) -> None:
+        cap = self.target.batch_rows
+        if cap is not None and len(self.rows) >= cap:
+            raise BatchNotSupportedError(
+                f"this target decodes at most {cap} requests together exactly on this backend "
+                "(Target.batch_rows); let one leave first"
+            )
+
+    def start(
         self,
         prompt,
         *,
@@ -133,16 +169,9 @@ class Batch(Rows):
         on_prefill: Callable[[int, int], None] | None = None,
         prompt_cache: PromptCache | None = None,
         boundaries: Collection[int] = (),
-    ) -> Row:
-        """Process a request's prompt alone (the other rows wait) and add it as the last row;
-        its first token is read by the next ``step``. A batch holds at most the target's
-        ``batch_rows``."""
-        cap = self.target.batch_rows
-        if cap is not None and len(self.rows) >= cap:
-            raise BatchNotSupportedError(
-                f"this target decodes at most {cap} requests together exactly on this backend "
-                "(Target.batch_rows); let one leave first"
-            )
+    ) -> Started:
+        """Process a request's prompt alone and pick its first token (read by the step after
+        it joins); everything it hands ``join`` is evaluated."""
         keys = KeyChain(seed) if seed is not None and not sampling.greedy else None
         stats = GenerationStats()
         cache, y, seen = start_classic(self.target, prompt, max_tokens, sampling, stats,
@@ -150,6 +179,14 @@ class Batch(Rows):
                                        keys.next() if keys else None)  # fmt: skip
         row = Row(owner, max_tokens, sampling, frozenset(eos_ids), keys,
                   Picks(y.reshape(1), seen), 0, stats)  # fmt: skip
+        mx.eval(row.picks.ids)
+        return Started(row, (cache,))
+
+    def join(self, started: Started) -> Row:
+        """Add a started request as the last row. A batch holds at most the target's
+        ``batch_rows``."""
+        self.check_room()
+        row, (cache,) = started.row, started.parts
         row.started = time.perf_counter()
         self.cache = self.target.join_rows(self.cache, cache)
         self.rows.append(row)

@@ -24,7 +24,7 @@ from ..drafters import Drafter
 from ..errors import BatchNotSupportedError
 from ..models import Target
 from ..stats import GenerationStats, MTPStats
-from .batch import Emitted, Rows
+from .batch import Emitted, Rows, Started
 from .mtp import start_mtp
 from .prompt_cache import PromptCache
 from .sampling import KeyChain, SamplingParams, check_finite, greedy, greedy_checked, pick_checked
@@ -96,7 +96,15 @@ class MTPBatch(Rows):
             return cap
         return max(cap // self.block, 1)  # (one request verifies as it does alone)
 
-    def add(
+    def check_room(self) -> None:
+        cap = self.max_rows
+        if cap is not None and len(self.rows) >= cap:
+            raise BatchNotSupportedError(
+                f"this target decodes at most {cap} requests together exactly at block "
+                f"{self.block} on this backend (MTPBatch.max_rows); let one leave first"
+            )
+
+    def start(
         self,
         prompt,
         *,
@@ -108,15 +116,9 @@ class MTPBatch(Rows):
         on_prefill: Callable[[int, int], None] | None = None,
         prompt_cache: PromptCache | None = None,
         boundaries: Collection[int] = (),
-    ) -> MTPRow:
-        """Process a request's prompt alone (the other rows wait), catch the drafter up on it,
-        and add it as the last row; its first token comes out of the next ``step``."""
-        cap = self.max_rows
-        if cap is not None and len(self.rows) >= cap:
-            raise BatchNotSupportedError(
-                f"this target decodes at most {cap} requests together exactly at block "
-                f"{self.block} on this backend (MTPBatch.max_rows); let one leave first"
-            )
+    ) -> Started:
+        """Process a request's prompt alone and catch the drafter up on it (everything
+        handed to ``join`` evaluated); its first token comes out of the step after it joins."""
         keys = KeyChain(seed) if seed is not None and not sampling.greedy else None
         stats = GenerationStats()
         stats.mtp = MTPStats(self.block)
@@ -126,12 +128,18 @@ class MTPBatch(Rows):
         h = self.drafter.forward(catch.tokens[None], catch.hidden, s.dcache)[:, -1:]  # [1, 1, H]
         if s.ps.taken:  # the prompt's snapshots get their drafter parts
             s.ps.drafter_parts(self.drafter, s.dcache, s.hidden)
-        mx.eval(h)
+        pending = mx.array([s.pending], mx.uint32)  # [1]
+        mx.eval(h, pending)
         row = MTPRow(owner, max_tokens, sampling, frozenset(eos_ids), keys, s.pending, stats)
+        return Started(row, (s.tcache, s.dcache, h, pending))
+
+    def join(self, started: Started) -> MTPRow:
+        """Add a started request as the last row."""
+        self.check_room()
+        row, (tcache, dcache, h, pending) = started.row, started.parts
         row.started = time.perf_counter()
-        self.tcache = self.target.join_rows(self.tcache, s.tcache)
-        self.dcache = self.drafter.join_rows(self.dcache, s.dcache)
-        pending = mx.array([s.pending], mx.uint32)
+        self.tcache = self.target.join_rows(self.tcache, tcache)
+        self.dcache = self.drafter.join_rows(self.dcache, dcache)
         self.pending = pending if self.pending is None else mx.concatenate([self.pending, pending])
         self.h = h if self.h is None else mx.concatenate([self.h, h])
         self.rows.append(row)
