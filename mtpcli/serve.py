@@ -210,7 +210,8 @@ class Decoder:
                     self.running.append(job)
                     text = TextOut(self.loaded.tokenizer, job.stop,
                                    lambda t, job=job: job.put("text", t))  # fmt: skip
-                    if batch.rows and not self.prompts_inline:  # beside the batch's steps
+                    # beside the batch's steps (and after the prompts already there)
+                    if (batch.rows or starting) and not self.prompts_inline:
                         starting.append((job, text, prompts.submit(self._start, batch, job, text)))
                         spent.prompts_beside += 1
                         continue
