@@ -197,7 +197,8 @@ class Decoder:
         decision = GateDecision(self.rounds, self.block_size or self.block, reason, None)
         spent = self.time
         starting: collections.deque[tuple[Job, TextOut, Future]] = collections.deque()
-        with ThreadPoolExecutor(1, thread_name_prefix="mtp-prompts") as prompts:
+        prompts = ThreadPoolExecutor(1, thread_name_prefix="mtp-prompts")
+        try:
             while keep_going() and (batch.rows or starting or not self.stopping):
                 while len(batch.rows) + len(starting) < self.max_batch and not self.stopping:
                     try:
@@ -208,6 +209,8 @@ class Decoder:
                         self.cancelled += 1
                         continue
                     self.running.append(job)
+                    if self.stopping:  # (``stop`` came after the wait: it missed this one)
+                        job.cancel.set()
                     text = TextOut(self.loaded.tokenizer, job.stop,
                                    lambda t, job=job: job.put("text", t))  # fmt: skip
                     # beside the batch's steps (and after the prompts already there)
@@ -218,15 +221,26 @@ class Decoder:
                     t0 = time.perf_counter()  # nothing decodes meanwhile: the batch waits
                     self._join(batch, job, text, partial(self._start, batch, job, text, False))
                     spent.prompts_s += time.perf_counter() - t0
-                # prompts processed beside: they join in turn, or a batch with no rows waits
-                while starting and (starting[0][2].done() or not batch.rows):
-                    job, text, done = starting.popleft()
+                # prompts processed beside join in turn once done (a batch with no rows waits
+                # for the first); one whose job was cancelled before it began is dropped
+                while starting:
+                    job, text, done = starting[0]
+                    if job.cancel.is_set() and done.cancel():
+                        starting.popleft()
+                        self._left(job)
+                        continue
+                    if batch.rows and not done.done():
+                        break
+                    starting.popleft()
                     t0 = time.perf_counter()
                     self._join(batch, job, text, done.result)
                     spent.prompts_s += time.perf_counter() - t0
-                if not batch.rows:
-                    continue
-                self._step(batch, decision)
+                if batch.rows:
+                    self._step(batch, decision)
+        finally:  # the prompt begun ends; the others never begin, and their jobs get a 503
+            prompts.shutdown(wait=True, cancel_futures=True)
+            for job, _, _ in starting:
+                job.put("error", _shutting_down())
         self.running = []
 
     def _start(self, batch: Batch | MTPBatch, job: Job, text: TextOut,
@@ -241,12 +255,25 @@ class Decoder:
     def _join(self, batch: Batch | MTPBatch, job: Job, text: TextOut,
               started: Callable[[], Started]) -> None:  # fmt: skip
         """Add ``job`` to ``batch`` once ``started`` gives its processed prompt, or answer it at
-        once (its client left, a bad request)."""
+        once: a bad request, or a job cancelled meanwhile (``_left``)."""
         try:
-            batch.join(started())
+            ready = started()
+            if job.cancel.is_set():
+                self._left(job)
+                return
+            batch.join(ready)
         except Exception as e:  # noqa: BLE001 - one failed request must not stop the others
             self.running.remove(job)
             job.put("error", _failed(e))
+
+    def _left(self, job: Job) -> None:
+        """A job cancelled before it joined: its client left, or the server is stopping (then
+        a 503, as the queued jobs get)."""
+        self.running.remove(job)
+        if self.stopping:
+            job.put("error", _shutting_down())
+        else:
+            self.cancelled += 1
 
     def _step(self, batch: Batch | MTPBatch, decision: GateDecision) -> None:
         """One step of ``batch``: each row's tokens relayed as text, the rows that ended
@@ -293,9 +320,7 @@ class Decoder:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 return
-            job.put("error", BadRequest(503, "the server is shutting down; send the request "
-                                        "again once it is back", kind="server_error",
-                                        code="server_shutting_down"))  # fmt: skip
+            job.put("error", _shutting_down())
 
     def decode(self, job: Job) -> None:
         if job.cancel.is_set():  # the client left while the job waited
@@ -351,6 +376,11 @@ def follow(loaded: Loaded, block_size: int | None = None, force_mtp: bool = Fals
                      force_mtp=force_mtp, seed=f["seed"], stop=f["stop"],
                      cancelled=lambda: share_flag(stage, False),
                      boundaries=f["boundaries"])  # fmt: skip
+
+
+def _shutting_down() -> BadRequest:
+    return BadRequest(503, "the server is shutting down; send the request again once it is "
+                      "back", kind="server_error", code="server_shutting_down")  # fmt: skip
 
 
 def _failed(e: Exception) -> BadRequest:

@@ -72,10 +72,12 @@ def reference():
 
     memo: dict = {}
 
-    def get(prompt: str, chat: bool, n: int) -> dict:
-        key = (prompt, chat, n)
+    def get(prompt: str, chat: bool, n: int, seed: int | None = None) -> dict:
+        """``seed``: sampled at temperature 0.8 with that seed."""
+        key = (prompt, chat, n, seed)
         if key not in memo:
             argv = ["generate", "-p", prompt, "-n", str(n), "--json", "--draft-kind", "none"]
+            argv += [] if seed is None else ["--temp", "0.8", "--seed", str(seed)]
             out = io.StringIO()
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
                 assert run(argv + ([] if chat else ["--ignore-chat-template"])) == 0
@@ -431,14 +433,15 @@ def _together(batched: str, reference, per_step: int = 1) -> None:
     cases = [(PROMPTS[i % 4], i % 2 == 0, 6 + i % 5 * 7) for i in range(12)]
     stop = reference(PROMPTS[1], False, 20)["text"][5:9]
 
-    async def ask(client, prompt, chat, n, stop=None):
+    async def ask(client, prompt, chat, n, stop=None, seed=None):
         if chat:
             body = {"model": "example", "messages": [{"role": "user", "content": prompt}],
                     "max_tokens": n}  # fmt: skip
             r = await client.post("/v1/chat/completions", json=body)
             return r.json()["choices"][0]["message"]["content"]
         body = {"model": "example", "prompt": prompt, "max_tokens": n} | (
-            {"stop": stop} if stop else {})  # fmt: skip
+            {"stop": stop} if stop else {}) | (
+            {} if seed is None else {"temperature": 0.8, "seed": seed})  # fmt: skip
         r = await client.post("/v1/completions", json=body)
         return r.json()["choices"][0]["text"]
 
@@ -459,6 +462,8 @@ def _together(batched: str, reference, per_step: int = 1) -> None:
             before = (await client.get("/health")).json()["time"]
             tasks = [asyncio.create_task(ask(client, *c)) for c in cases]
             tasks.append(asyncio.create_task(streamed(client, PROMPTS[2], 30)))
+            # a seeded sample joining while others decode (its keys made on the prompt thread)
+            tasks.append(asyncio.create_task(ask(client, PROMPTS[3], False, 16, seed=11)))
             tasks.append(asyncio.create_task(ask(client, PROMPTS[1], False, 20, stop)))
             rows = 0
             while not all(t.done() for t in tasks):
@@ -468,11 +473,12 @@ def _together(batched: str, reference, per_step: int = 1) -> None:
             return [t.result() for t in tasks], rows, before, after
 
     texts, rows, before, after = asyncio.run(main())
-    assert texts[:-2] == [reference(*c)["text"] for c in cases]
-    assert texts[-2] == reference(PROMPTS[2], True, 30)["text"]
+    assert texts[:-3] == [reference(*c)["text"] for c in cases]
+    assert texts[-3] == reference(PROMPTS[2], True, 30)["text"]
+    assert texts[-2] == reference(PROMPTS[3], False, 16, seed=11)["text"]
     assert texts[-1] == reference(PROMPTS[1], False, 20)["text"][:5]
     assert 2 <= rows <= 4  # they decoded together, never more than --max-batch
-    # /health's time: 14 prompts processed, and at least the longest request's 34 steps
+    # /health's time: 15 prompts processed, and at least the longest request's 34 steps
     assert after["steps"] - before["steps"] >= 34 // per_step
     assert after["prompts_s"] > before["prompts_s"] and after["steps_s"] > before["steps_s"]
     assert after["prompts_beside"] > before["prompts_beside"]  # some joined a decoding batch

@@ -59,6 +59,10 @@ class Drafter(Protocol):
         """Drop the last ``dropped[b]`` positions of row b."""
         ...
 
+    def cache_arrays(self, cache: list) -> list[mx.array]:
+        """The arrays ``cache`` holds (to evaluate them on the thread that built them)."""
+        ...
+
     def reads_lengths_on_device(self, cache: list, L: int) -> bool:
         """Whether a forward of L tokens reads the cache's length on the device (so ``keep``
         may leave it unread there)."""

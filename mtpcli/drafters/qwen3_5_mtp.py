@@ -66,6 +66,9 @@ class Qwen35MTPDrafter:
     def make_cache(self) -> list:
         return [RowsKVCache() for _ in self.module.layers]
 
+    def cache_arrays(self, cache: list) -> list[mx.array]:
+        return [a for c in cache for a in (c.keys, c.values, c.device_length) if a is not None]
+
     def forward(self, tokens: mx.array, hidden: mx.array, cache: list) -> mx.array:
         m, fns, (B, L) = self.module, self.functions, tokens.shape
         rows = isinstance(cache[0], BatchKV)  # a batch of requests, each on its own rows

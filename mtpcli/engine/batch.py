@@ -85,9 +85,11 @@ class Rows:
     """What a batch of requests does whatever it decodes in (classic steps here, MTP rounds in
     ``mtp_batch.py``): rows joining, their steps collected, and rows leaving.
 
-    A request joins in two parts: ``start`` processes its prompt alone and touches nothing of
-    the batch, so it may run on another thread (with a stream of its own) while the batch
-    steps; ``join`` then adds it between steps. ``add`` does both, the batch waiting."""
+    A request joins in two parts: ``start`` processes its prompt alone, touches nothing of
+    the batch and evaluates all it hands on, so it may run on another thread (with a stream of
+    its own: MLX's streams belong to the thread that made them) while the batch steps (the
+    target builds one pass at a time); ``join`` then adds it between steps. ``add`` does both,
+    the batch waiting."""
 
     rows: list
 
@@ -179,7 +181,7 @@ class Batch(Rows):
                                        keys.next() if keys else None)  # fmt: skip
         row = Row(owner, max_tokens, sampling, frozenset(eos_ids), keys,
                   Picks(y.reshape(1), seen), 0, stats)  # fmt: skip
-        mx.eval(row.picks.ids)
+        mx.eval(row.picks.ids, *([keys.key] if keys else []))
         return Started(row, (cache,))
 
     def join(self, started: Started) -> Row:

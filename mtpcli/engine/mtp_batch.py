@@ -129,7 +129,7 @@ class MTPBatch(Rows):
         if s.ps.taken:  # the prompt's snapshots get their drafter parts
             s.ps.drafter_parts(self.drafter, s.dcache, s.hidden)
         pending = mx.array([s.pending], mx.uint32)  # [1]
-        mx.eval(h, pending)
+        mx.eval(h, pending, *self.drafter.cache_arrays(s.dcache), *([keys.key] if keys else []))
         row = MTPRow(owner, max_tokens, sampling, frozenset(eos_ids), keys, s.pending, stats)
         return Started(row, (s.tcache, s.dcache, h, pending))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
+import threading
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -312,6 +313,7 @@ class Qwen35Target:
         # (T, verify, a batch of requests' rows) seen settled
         self._graph_ready: set[tuple[int, bool, bool]] = set()
         self._pass_native = True  # every attention layer of this pass took the native block
+        self._building = threading.RLock()  # see ``forward``
         # Routed (MoE) layers on a GPU are never batched in a verify: which rows share an
         # expert's product changes from block to block, so a probe can pass by luck and a later
         # block differ. Nor are they compiled: on CUDA their compiled functions differ from the
@@ -559,7 +561,15 @@ class Qwen35Target:
         exactly as a one-token decode step would (see ``RowPolicy``). Decode steps and verify
         blocks run compiled layer functions, after one eager pass per block length (which
         settles the kernels' self-checks outside any trace).
+
+        One pass is built at a time (a batch's joining prompts are built on a thread of their
+        own, ``serve.py``): a pass keeps flags on the target (``_pass_native``, the policy's
+        ``probed``) that decide whether its shape may run as one graph.
         """
+        with self._building:
+            return self._forward(tokens, cache, verify)
+
+    def _forward(self, tokens: mx.array, cache: list, verify: bool) -> ForwardOut:
         T = tokens.shape[1]
         kv = self._kv(cache)
         rows = bool(kv) and isinstance(kv[0], BatchKV)  # a batch of requests' rows
