@@ -182,8 +182,9 @@ class Decoder:
                 self.running = []
 
     def _run_batched(self, keep_going: Callable[[], bool]) -> None:
-        """Decode up to ``max_batch`` jobs at once: queued ones join between steps (their prompt
-        processed alone meanwhile), each leaves at its end, and a job whose client left is
+        """Decode up to ``max_batch`` jobs at once: queued ones join between steps (each prompt
+        processed alone on the prompt thread while the batch steps, or inline where nothing
+        decodes or ``prompts_inline``), each leaves at its end, and a job whose client left is
         dropped at the next step."""
         if self.rounds:
             batch = MTPBatch(self.loaded.target, self.loaded.drafter, self.block)
