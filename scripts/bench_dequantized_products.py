@@ -49,6 +49,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if not all(len(sh.split("x")) == 2 and all(p.isdigit() for p in sh.split("x"))
+               for sh in args.shapes):  # fmt: skip
+        ap.error("--shapes: each as N x K, e.g. 17408x5120")
     out = {"device": str(mx.default_device()), "load_before": os.getloadavg(), "results": []}
     for shape in args.shapes:
         n, k = map(int, shape.split("x"))
